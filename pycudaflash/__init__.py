@@ -1,0 +1,14 @@
+"""pycudaflash: FlashAttention forward and backward as readable CUDA kernels driven by PyCUDA."""
+
+from ._backends import available_backends, cuda_status
+from .api import flash_attn_backward, flash_attn_forward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_forward",
+    "flash_attn_backward",
+    "available_backends",
+    "cuda_status",
+    "__version__",
+]

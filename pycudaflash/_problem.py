@@ -1,0 +1,80 @@
+"""Validated, normalised descriptions of one attention call.
+
+``pycudaflash._validate`` builds these from the public arguments; the backends
+(``pycudaflash.cpu`` and ``pycudaflash.cuda_backend``) consume them and never
+look at the user's objects again except through :class:`Operand`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .semantics import Band
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One array argument, host or device, described uniformly.
+
+    ``strides`` are in elements (not bytes) and may be 0 on broadcast
+    dimensions (masks only).  For host operands ``array`` is the numpy array
+    (a view with exactly ``shape``/``strides``) and ``ptr`` is 0; for device
+    operands ``ptr`` is the device address of element ``[0, ..., 0]``.
+    """
+
+    name: str
+    kind: str  # 'host' | 'device'
+    obj: Any  # the object the caller passed
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    ptr: int = 0
+    array: Optional[np.ndarray] = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.kind == "device"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated forward or backward call.
+
+    Shapes: q (B, H, Nq, D); k, v (B, H, Nk, D); out like q; lse (B, H, Nq).
+    ``mask`` is already broadcast to (B, H, Nq, Nk) (zero strides where the
+    caller's mask had size-1 or missing dimensions).  ``key_lengths`` is a
+    validated host int32 array of shape (B,) with values in [0, Nk].
+    ``out``/``lse`` are caller-provided output buffers in the forward pass and
+    the saved forward results (inputs) in the backward pass.
+    """
+
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+    dtype: np.dtype
+    scale: float
+    causal: str  # 'none' | 'top_left' | 'bottom_right'
+    window_left: int  # -1 = unbounded
+    window_right: int  # -1 = unbounded
+    band: Band
+    on_device: bool
+    q: Operand
+    k: Operand
+    v: Operand
+    out: Optional[Operand] = None
+    lse: Optional[Operand] = None
+    mask: Optional[Operand] = None
+    mask_kind: str = "none"  # 'none' | 'bool' | 'float'
+    key_lengths: Optional[np.ndarray] = None
+    # backward only
+    dout: Optional[Operand] = None
+    dq: Optional[Operand] = None
+    dk: Optional[Operand] = None
+    dv: Optional[Operand] = None
+    deterministic: bool = False
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,142 @@
+"""Public entry points: :func:`flash_attn_forward` and :func:`flash_attn_backward`.
+
+Validation (``pycudaflash._validate``) is separate from launching: every bad
+argument raises ``TypeError``/``ValueError`` before any device work.  The
+validated :class:`~pycudaflash._problem.Problem` then goes to one backend:
+
+* ``'cuda'``: the PyCUDA kernels in ``cuda_src/`` (``pycudaflash.cuda_backend``);
+* ``'numpy'``: the same tiled algorithm in NumPy (``pycudaflash.cpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from . import _validate, cpu
+from ._backends import choose_backend
+
+ArrayLike = Any
+
+
+def flash_attn_forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: Any = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    mask: Optional[ArrayLike] = None,
+    key_lengths: Optional[ArrayLike] = None,
+    scale: Optional[float] = None,
+    stream: Any = None,
+    out: Optional[ArrayLike] = None,
+    lse: Optional[ArrayLike] = None,
+    backend: Optional[str] = None,
+) -> Tuple[ArrayLike, ArrayLike]:
+    """Attention forward pass, ``out = softmax(scale * q k^T + bias) v``.
+
+    Parameters
+    ----------
+    q : array, shape (B, H, Nq, D)
+        Queries: a pycuda ``GPUArray``, any object exposing
+        ``__cuda_array_interface__`` (torch, cupy), or a numpy array.  Any
+        strides with the last dimension contiguous.
+    k, v : array, shape (B, H, Nk, D)
+        Keys and values, same kind and dtype as ``q``.
+    causal : bool or {'top_left', 'bottom_right'}, optional
+        ``True``/``'top_left'``: query i sees keys j <= i.  ``'bottom_right'``:
+        query i sees keys j <= i + Nk - Nq.
+    window : (left, right), optional
+        Query i sees keys from ``i + off - left`` to ``i + off + right``
+        (``off = Nk - Nq`` for bottom-right alignment, else 0); ``None`` or
+        ``-1`` leaves a side unbounded.
+    mask : array, optional
+        Broadcastable to (B, H, Nq, Nk).  bool: True = attend.  float: added
+        to the scaled scores (``-inf`` allowed).
+    key_lengths : int array of shape (B,), optional
+        Keys at or past ``key_lengths[b]`` are masked (padding).
+    scale : float, optional
+        Score scale, default ``1/sqrt(D)``.
+    stream : pycuda.driver.Stream, optional
+        Stream for all work and temporaries (None: the default stream).
+    out, lse : arrays, optional
+        Output buffers, (B, H, Nq, D) like ``q`` and (B, H, Nq) float32.
+    backend : {'cuda', 'numpy'}, optional
+        Force a backend; by default device inputs run on CUDA and numpy inputs
+        on CUDA when a GPU is usable, else on the NumPy backend.
+
+    Returns
+    -------
+    out : array, shape (B, H, Nq, D)
+    lse : array, shape (B, H, Nq), float32
+        Natural-log log-sum-exp of each row's scores; ``-inf`` for a row that
+        sees no key (its ``out`` row is 0).
+    """
+    prob = _validate.validate_forward(
+        q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
+        scale=scale, out=out, lse=lse,
+    )
+    which = choose_backend(prob, backend, stream)
+    if which == "numpy":
+        return cpu.run_forward(prob)
+    from . import cuda_backend
+
+    return cuda_backend.run_forward(prob, stream)
+
+
+def flash_attn_backward(
+    dout: ArrayLike,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: ArrayLike,
+    lse: ArrayLike,
+    *,
+    causal: Any = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    mask: Optional[ArrayLike] = None,
+    key_lengths: Optional[ArrayLike] = None,
+    scale: Optional[float] = None,
+    deterministic: bool = False,
+    stream: Any = None,
+    dq: Optional[ArrayLike] = None,
+    dk: Optional[ArrayLike] = None,
+    dv: Optional[ArrayLike] = None,
+    backend: Optional[str] = None,
+) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
+    """Attention backward pass from the forward's ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, Nq, D)
+        Gradient of the loss with respect to ``out``.
+    q, k, v, out, lse
+        The forward pass's inputs and results (``lse`` float32, natural log).
+    causal, window, mask, key_lengths, scale
+        As in :func:`flash_attn_forward`; they must match the forward call.
+    deterministic : bool, optional
+        If True, results are bit-identical run to run (no floating-point
+        atomics in the dQ reduction).
+    stream : pycuda.driver.Stream, optional
+        Stream for all work and temporaries.
+    dq, dk, dv : arrays, optional
+        Output buffers shaped like q, k and v.
+    backend : {'cuda', 'numpy'}, optional
+        As in :func:`flash_attn_forward`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays shaped like q, k, v
+        Gradients of the loss; rows that saw no key give zero gradients.
+    """
+    prob = _validate.validate_backward(
+        dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
+        key_lengths=key_lengths, scale=scale, deterministic=deterministic,
+        dq=dq, dk=dk, dv=dv,
+    )
+    which = choose_backend(prob, backend, stream)
+    if which == "numpy":
+        return cpu.run_backward(prob)
+    from . import cuda_backend
+
+    return cuda_backend.run_backward(prob, stream)
