@@ -1,0 +1,381 @@
+// flash_bwd.cu -- FlashAttention backward pass, float32 (split-TF32 tensor cores).
+//
+// Algorithm: FlashAttention-2 backward (Dao 2023, Algorithm 2).  With the
+// forward's log-sum-exp Li, the attention matrix is recomputed tile by tile:
+//   Pij  = exp(scale * Qi Kj^T + bias - Li)      (0 where masked)
+//   dVj += Pij^T dOi
+//   dPij = dOi Vj^T
+//   dSij = Pij o (dPij - Di),  Di = rowsum(dOi o Oi)
+//   dKj += scale * dSij^T Qi
+//   dQi += scale * dSij Kj
+// Kernels, launched in this order on one stream:
+//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace.
+//   flash_bwd_dkdv_kernel one block per key tile Kj, Vj (outer loop) of one
+//                         (batch, head); loops over the query tiles that see
+//                         it; dKj, dVj stay in registers.  Given a dQ
+//                         accumulator it also adds dQi into it with float32
+//                         atomics (fast, summation order not deterministic).
+//   flash_bwd_dq_kernel   deterministic dQ: one block per query tile Qi
+//                         (outer loop) recomputes Pij, dSij and sums dSij Kj
+//                         in a fixed order.
+//   flash_bwd_convert_dq  copies the float32 accumulator into dq (strided).
+//
+// Assumptions: as flash_fwd.cu; lse is the natural-log log-sum-exp of the
+// forward (-inf for rows that saw no key: their gradients are 0).
+//
+// Tile layout (dkdv): BWD_WARPS = 8 warps; Bc = Br = 64 (32 for HEAD_DIM 256).
+// Shared memory: Kj, Vj [Bc][HEAD_DIM+4], Qi, dOi [Br][HEAD_DIM+4],
+// Pij, dSij [Br][Bc+4], Li, Di [Br].  Each product spreads its output tile
+// over the 8 warps as a grid of 16-row x (8*NT)-column warp tiles:
+//   Sij, dPij (Br x Bc), dVj, dKj (Bc x HEAD_DIM), dQi (Br x HEAD_DIM).
+// Pij and dSij pass through shared memory because dVj and dKj need them
+// transposed.  Tile layout (dq): as the forward, 4 warps of 16 query rows.
+
+// Tile sizes come from pycudaflash.compiler (-D); these defaults match it.
+#define BWD_WARPS 8
+#define BWD_THREADS (BWD_WARPS * WARP_SIZE)
+#ifndef BWD_BR
+#if HEAD_DIM > 128
+#define BWD_BR 32
+#define BWD_BC 32
+#else
+#define BWD_BR 64
+#define BWD_BC 64
+#endif
+#endif
+#define LD_S (BWD_BC + SMEM_PAD)
+
+// Warp grids of the three product shapes.
+#define SW_M (BWD_BR / 16)          // Sij, dPij: row groups
+#define SW_N (BWD_WARPS / SW_M)     //            column groups
+#define NT_S (BWD_BC / (8 * SW_N))  //            8-wide tiles per warp
+#define KW_M (BWD_BC / 16)          // dKj, dVj
+#define KW_N (BWD_WARPS / KW_M)
+#define NT_KV (HEAD_DIM / (8 * KW_N))
+#define QW_M (BWD_BR / 16)          // dQi
+#define QW_N (BWD_WARPS / QW_M)
+#define NT_Q (HEAD_DIM / (8 * QW_N))
+
+static_assert(SW_M * SW_N == BWD_WARPS && NT_S * 8 * SW_N == BWD_BC, "Sij warp grid covers the tile");
+static_assert(KW_M * KW_N == BWD_WARPS && NT_KV * 8 * KW_N == HEAD_DIM, "dKj warp grid covers the tile");
+static_assert(QW_M * QW_N == BWD_WARPS && NT_Q * 8 * QW_N == HEAD_DIM, "dQi warp grid covers the tile");
+
+#define DQ_WARPS 4
+#define DQ_THREADS (DQ_WARPS * WARP_SIZE)
+#define DQ_BR (16 * DQ_WARPS)
+#ifndef DQ_BC
+#if HEAD_DIM > 128
+#define DQ_BC 32
+#else
+#define DQ_BC 64
+#endif
+#endif
+static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0 && DQ_BC % 8 == 0, "tiles are whole mma tiles");
+
+// ------------------------------------------------------------- preprocess
+// Di = rowsum(dOi o Oi) and Li * log2(e), one warp per row, into contiguous
+// (B, H, Nq) float32 arrays.  Rows with Li = -inf keep -inf.
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_preprocess(const float *__restrict__ dO, const float *__restrict__ O, const float *__restrict__ LSE,
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, int H, int Nq, int D, i64 total_rows,
+                     i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb, i64 l_sh,
+                     i64 l_sn) {
+    const i64 row = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= total_rows) return;
+    const int i = (int)(row % Nq);
+    const i64 bh = row / Nq;
+    const int h = (int)(bh % H), b = (int)(bh / H);
+    const float *dorow = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
+    const float *orow = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
+    float acc = 0.f;
+    for (int d = lane; d < D; d += WARP_SIZE) acc = fmaf(dorow[d], orow[d], acc);
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+        Dvec[row] = acc;
+        L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
+    }
+}
+
+// ------------------------------------------------------------------- dK, dV
+extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
+flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, const float *__restrict__ V,
+                      const float *__restrict__ dO, const float *__restrict__ Dvec,
+                      const float *__restrict__ L2vec, float *__restrict__ dQacc, float *__restrict__ dK,
+                      float *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
+                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+    extern __shared__ __align__(16) float smem[];
+    float *Kj = smem;                      // [BWD_BC][LD_HEAD]
+    float *Vj = Kj + BWD_BC * LD_HEAD;     // [BWD_BC][LD_HEAD]
+    float *Qi = Vj + BWD_BC * LD_HEAD;     // [BWD_BR][LD_HEAD]
+    float *dOi = Qi + BWD_BR * LD_HEAD;    // [BWD_BR][LD_HEAD]
+    float *Pij = dOi + BWD_BR * LD_HEAD;   // [BWD_BR][LD_S]
+    float *dSij = Pij + BWD_BR * LD_S;     // [BWD_BR][LD_S]
+    float *Li = dSij + BWD_BR * LD_S;      // [BWD_BR], log2 units
+    float *Di = Li + BWD_BR;               // [BWD_BR]
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int k0 = blockIdx.x * BWD_BC;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+
+    const float *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
+    const float *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
+    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
+
+    // Query rows that see any key of this tile: [i_begin, i_end).
+    const int k_last = min(k0 + BWD_BC, mp.kl) - 1;
+    const int i_begin = max(0, k0 - band_hi);
+    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
+    const int tr_begin = i_begin / BWD_BR;
+    const int tr_end = (i_end > i_begin) ? (i_end + BWD_BR - 1) / BWD_BR : tr_begin;
+
+    // Warp tiles.
+    const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);
+    const int kv_row = 16 * (warp % KW_M), kv_col = 8 * NT_KV * (warp / KW_M);
+    const int q_row = 16 * (warp % QW_M), q_col = 8 * NT_Q * (warp / QW_M);
+    const int ksteps_d = (D + 7) / 8;
+
+    float dv_acc[1][NT_KV][4], dk_acc[1][NT_KV][4];
+#pragma unroll
+    for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv_acc[0][n][e] = dk_acc[0][n][e] = 0.f;
+
+    if (tr_begin < tr_end) {
+        load_tile_async<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_async<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+    }
+
+    for (int tr = tr_begin; tr < tr_end; ++tr) {
+        const int i0 = tr * BWD_BR;
+        // Load Qi, dOi (async) and the row statistics Li, Di.
+        load_tile_async<BWD_BR, BWD_THREADS>(Qi, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile_async<BWD_BR, BWD_THREADS>(dOi, dOg, do_sn, i0, Nq, D, vec, tid);
+        cp_async_commit();
+        if (tid < BWD_BR) {
+            const int i = i0 + tid;
+            Li[tid] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+            Di[tid] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+        }
+        cp_async_wait<0>();
+        // Kj, Vj, Qi, dOi, Li and Di are in shared memory for every thread.
+        __syncthreads();
+
+        // Sij = Qi Kj^T and dPij = dOi Vj^T on this warp's 16 x (8*NT_S) tile.
+        float s[1][NT_S][4], dp[1][NT_S][4];
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][n][e] = dp[0][n][e] = 0.f;
+        warp_mma<1, NT_S, false>(
+            s, [&](int m, int k) { return Qi[(s_row + m) * LD_HEAD + k]; },
+            [&](int k, int n) { return Kj[(s_col + n) * LD_HEAD + k]; }, ksteps_d, 8 * NT_S, lane);
+        warp_mma<1, NT_S, false>(
+            dp, [&](int m, int k) { return dOi[(s_row + m) * LD_HEAD + k]; },
+            [&](int k, int n) { return Vj[(s_col + n) * LD_HEAD + k]; }, ksteps_d, 8 * NT_S, lane);
+
+        // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di), into shared memory.
+        const bool need_mask = tile_needs_mask(mp, i0, BWD_BR, k0, BWD_BC);
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = s_row + g + 8 * (e >> 1), c = s_col + 8 * n + 2 * t + (e & 1);
+                const float x = need_mask ? masked_score(s[0][n][e], scale_log2, mp, mask_bh, i0 + r, k0 + c)
+                                          : s[0][n][e] * scale_log2;
+                const float l2 = Li[r];
+                const float p = (l2 == NEG_INF) ? 0.f : exp2f(x - l2);
+                Pij[r * LD_S + c] = p;
+                dSij[r * LD_S + c] = p * (dp[0][n][e] - Di[r]);
+            }
+        }
+        // Pij and dSij are complete.
+        __syncthreads();
+
+        // dVj += Pij^T dOi and dKj += dSij^T Qi (scale applied at the end).
+        warp_mma<1, NT_KV, true>(
+            dv_acc, [&](int m, int k) { return Pij[k * LD_S + kv_row + m]; },
+            [&](int k, int n) { return dOi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
+        warp_mma<1, NT_KV, true>(
+            dk_acc, [&](int m, int k) { return dSij[k * LD_S + kv_row + m]; },
+            [&](int k, int n) { return Qi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
+
+        // dQi += scale * dSij Kj, added into the float32 accumulator.
+        if (dQacc != nullptr) {
+            float dq[1][NT_Q][4];
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.f;
+            warp_mma<1, NT_Q, false>(
+                dq, [&](int m, int k) { return dSij[(q_row + m) * LD_S + k]; },
+                [&](int k, int n) { return Kj[k * LD_HEAD + q_col + n]; }, BWD_BC / 8, D - q_col, lane);
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = i0 + q_row + g + 8 * (e >> 1), d = q_col + 8 * n + 2 * t + (e & 1);
+                    if (i < Nq && d < D) atomicAdd(dQacc + (row_base + i) * D + d, scale * dq[0][n][e]);
+                }
+            }
+        }
+        // Every warp is done with Qi, dOi, Pij, dSij, Li, Di before the next tile overwrites them.
+        __syncthreads();
+    }
+
+    // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
+    float *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
+    float *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
+#pragma unroll
+    for (int n = 0; n < NT_KV; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = k0 + kv_row + g + 8 * (e >> 1), d = kv_col + 8 * n + 2 * t + (e & 1);
+            if (j < Nk && d < D) {
+                dKg[(i64)j * dk_sn + d] = scale * dk_acc[0][n][e];
+                dVg[(i64)j * dv_sn + d] = dv_acc[0][n][e];
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------- deterministic dQ
+extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)
+flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, const float *__restrict__ V,
+                    const float *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,
+                    float *__restrict__ dQ, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                    int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+                    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
+                    i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
+                    int band_hi, int vec) {
+    extern __shared__ __align__(16) float smem[];
+    float *Qi = smem;                   // [DQ_BR][LD_HEAD]
+    float *dOi = Qi + DQ_BR * LD_HEAD;  // [DQ_BR][LD_HEAD]
+    float *Kj = dOi + DQ_BR * LD_HEAD;  // [DQ_BC][LD_HEAD]
+    float *Vj = Kj + DQ_BC * LD_HEAD;   // [DQ_BC][LD_HEAD]
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
+    const int row_w = 16 * warp;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+    const i64 row_base = ((i64)b * H + h) * Nq;
+
+    const int q_last = min(q0 + DQ_BR, Nq) - 1;
+    const int j_begin = max(0, q0 + band_lo);
+    const int j_end = min(mp.kl, q_last + band_hi + 1);
+    const int tc_begin = j_begin / DQ_BC;
+    const int tc_end = (j_end > j_begin) ? (j_end + DQ_BC - 1) / DQ_BC : tc_begin;
+
+    // Row statistics of this thread's rows g and g+8.
+    float l2[2], di[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        l2[r] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+        di[r] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+    }
+
+    float dq_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+    const int ksteps_d = (D + 7) / 8;
+
+    if (tc_begin < tc_end) {
+        load_tile_async<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
+        load_tile_async<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+    }
+    for (int tc = tc_begin; tc < tc_end; ++tc) {
+        const int k0 = tc * DQ_BC;
+        load_tile_async<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_async<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        // Qi, dOi, Kj, Vj are in shared memory for every thread.
+        __syncthreads();
+
+        // Sij = Qi Kj^T, dPij = dOi Vj^T (16 x DQ_BC per warp).
+        float s[1][DQ_BC / 8][4], dp[1][DQ_BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][n][e] = dp[0][n][e] = 0.f;
+        warp_mma<1, DQ_BC / 8, false>(
+            s, [&](int m, int k) { return Qi[(row_w + m) * LD_HEAD + k]; },
+            [&](int k, int n) { return Kj[n * LD_HEAD + k]; }, ksteps_d, DQ_BC, lane);
+        warp_mma<1, DQ_BC / 8, false>(
+            dp, [&](int m, int k) { return dOi[(row_w + m) * LD_HEAD + k]; },
+            [&](int k, int n) { return Vj[n * LD_HEAD + k]; }, ksteps_d, DQ_BC, lane);
+
+        // dSij = Pij o (dPij - Di), kept in registers (C layout).
+        const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC);
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int i = q0 + row_w + g + 8 * r, j = k0 + 8 * n + 2 * t + (e & 1);
+                const float x = need_mask ? masked_score(s[0][n][e], scale_log2, mp, mask_bh, i, j)
+                                          : s[0][n][e] * scale_log2;
+                const float p = (l2[r] == NEG_INF) ? 0.f : exp2f(x - l2[r]);
+                s[0][n][e] = p * (dp[0][n][e] - di[r]);
+            }
+        }
+
+        // dQi += dSij Kj.
+        warp_mma_rega<DQ_BC / 8, HEAD_DIM / 8>(dq_acc, s[0], [&](int k, int n) { return Kj[k * LD_HEAD + n]; },
+                                              D, lane);
+        // Every warp is done with Kj and Vj before the next tile overwrites them.
+        __syncthreads();
+    }
+
+    float *dQg = dQ + (i64)b * dq_sb + (i64)h * dq_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        if (i < Nq) {
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                const int d = 8 * n + 2 * t;
+                if (d < D) dQg[(i64)i * dq_sn + d] = scale * dq_acc[n][2 * r];
+                if (d + 1 < D) dQg[(i64)i * dq_sn + d + 1] = scale * dq_acc[n][2 * r + 1];
+            }
+        }
+    }
+}
+
+// --------------------------------------------------------------- convert dQ
+// dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled).
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_convert_dq(const float *__restrict__ dQacc, float *__restrict__ dQ, int H, int Nq, int D, i64 total,
+                     i64 dq_sb, i64 dq_sh, i64 dq_sn) {
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const int d = (int)(idx % D);
+        const i64 row = idx / D;
+        const int i = (int)(row % Nq);
+        const i64 bh = row / Nq;
+        const int h = (int)(bh % H), b = (int)(bh / H);
+        dQ[(i64)b * dq_sb + (i64)h * dq_sh + (i64)i * dq_sn + d] = dQacc[idx];
+    }
+}

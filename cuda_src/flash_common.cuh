@@ -1,0 +1,229 @@
+// flash_common.cuh -- pieces shared by flash_fwd.cu and flash_bwd.cu.
+//
+// pycudaflash.compiler pastes this text in front of each pass (no #include, so
+// PyCUDA's cache key is the plain source text) and adds the -D defines:
+//   HEAD_DIM   padded head dimension of the variant (32, 64, 128, 256); the
+//              actual D <= HEAD_DIM arrives at run time and the columns past D
+//              are zero-filled in shared memory and never stored.
+//   MASK_MODE  0: no dense mask, 1: bool mask (1 = attend), 2: float mask
+//              (added to the scaled scores).
+//
+// Matrix products run on the tensor cores as split TF32 ("3xTF32"): each float
+// x is split into a TF32 "big" part hi = rna(x) and a TF32 "small" part
+// lo = rna(x - hi), and a*b is accumulated in float32 as
+// a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (the a_lo*b_lo term, ~2^-22 relative, is
+// dropped).  This keeps float32-level accuracy (about 1e-6 relative error) at
+// tensor-core speed.
+//
+// mma.sync.m16n8k8 TF32 fragments, lane = 4*g + t (g = lane/4, t = lane%4):
+//   A (16x8, row-major): a0 (g, k0)  a1 (g+8, k0)  a2 (g, k1)  a3 (g+8, k1)
+//   B (8x8,  col-major): b0 (k0, g)  b1 (k1, g)
+//   C (16x8):            c0 (g, 2t)  c1 (g, 2t+1)  c2 (g+8, 2t)  c3 (g+8, 2t+1)
+// where (k0, k1) = (t, t+4).  Because the k index is summed over, any
+// permutation of it applied to A and B alike gives the same product; we use
+// the "interleaved" order (k0, k1) = (2t, 2t+1) where it avoids shared-memory
+// bank conflicts and where A comes from a C fragment (P and dS).
+
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+#ifndef MASK_MODE
+#define MASK_MODE 0
+#endif
+
+static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM >= 32 && HEAD_DIM <= 256,
+              "HEAD_DIM is a multiple of 32 in [32, 256]");
+static_assert(MASK_MODE >= 0 && MASK_MODE <= 2, "MASK_MODE is 0, 1 or 2");
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+typedef unsigned int u32;
+typedef long long i64;
+
+#define WARP_SIZE 32
+// Shared-memory row padding (floats): row strides = 4 (mod 32) words keep
+// every fragment access pattern used here free of bank conflicts.
+#define SMEM_PAD 4
+#define LD_HEAD (HEAD_DIM + SMEM_PAD)
+
+// ---------------------------------------------------------------- 3xTF32 mma
+
+__device__ __forceinline__ void split_tf32(float x, u32 &hi, u32 &lo) {
+    u32 h, l;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(h) : "f"(x));
+    const float rest = x - __uint_as_float(h);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(l) : "f"(rest));
+    hi = h;
+    lo = l;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a*b with the small terms first, the big product last.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const u32 (&ahi)[4], const u32 (&alo)[4],
+                                           const u32 (&bhi)[2], const u32 (&blo)[2]) {
+    mma_tf32(c, alo, bhi);
+    mma_tf32(c, ahi, blo);
+    mma_tf32(c, ahi, bhi);
+}
+
+// Warp-level C[16*MT x 8*NT] += A[16*MT x K] * B[K x 8*NT] with A and B read
+// through accessors A(m, k), B(k, n) (shared memory), k over [0, 8*ksteps).
+// INTERLEAVED picks the k order inside each 8-wide step (see the top).
+// Column tiles with 8*nt >= n_limit are skipped (past the actual head dim).
+template <int MT, int NT, bool INTERLEAVED, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const LoadA &A, const LoadB &B,
+                                         int ksteps, int n_limit, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const int k0 = INTERLEAVED ? 2 * t : t;
+    const int k1 = INTERLEAVED ? 2 * t + 1 : t + 4;
+#pragma unroll 2
+    for (int ks = 0; ks < ksteps; ++ks) {
+        const int kb = 8 * ks;
+        u32 ahi[MT][4], alo[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            split_tf32(A(16 * mt + g, kb + k0), ahi[mt][0], alo[mt][0]);
+            split_tf32(A(16 * mt + g + 8, kb + k0), ahi[mt][1], alo[mt][1]);
+            split_tf32(A(16 * mt + g, kb + k1), ahi[mt][2], alo[mt][2]);
+            split_tf32(A(16 * mt + g + 8, kb + k1), ahi[mt][3], alo[mt][3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (8 * nt < n_limit) {
+                u32 bhi[2], blo[2];
+                split_tf32(B(kb + k0, 8 * nt + g), bhi[0], blo[0]);
+                split_tf32(B(kb + k1, 8 * nt + g), bhi[1], blo[1]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_3xtf32(acc[mt][nt], ahi[mt], alo[mt], bhi, blo);
+            }
+        }
+    }
+}
+
+// Warp-level C[16 x 8*NT] += P[16 x 8*KT] * B[8*KT x 8*NT] where P is held in
+// registers in the C-fragment layout of a previous product (p[kt] covers
+// columns 8kt..8kt+7).  The C layout is the A layout under the interleaved k
+// order, so no data moves between lanes.  Columns n >= n_limit are skipped
+// (whole 8-wide tiles past the actual head dim).
+template <int KT, int NT, typename LoadB>
+__device__ __forceinline__ void warp_mma_rega(float (&acc)[NT][4], const float (&p)[KT][4],
+                                              const LoadB &B, int n_limit, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+        u32 ahi[4], alo[4];
+        split_tf32(p[kt][0], ahi[0], alo[0]);  // (g,   2t)
+        split_tf32(p[kt][2], ahi[1], alo[1]);  // (g+8, 2t)
+        split_tf32(p[kt][1], ahi[2], alo[2]);  // (g,   2t+1)
+        split_tf32(p[kt][3], ahi[3], alo[3]);  // (g+8, 2t+1)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            if (8 * nt < n_limit) {
+                u32 bhi[2], blo[2];
+                split_tf32(B(8 * kt + 2 * t, 8 * nt + g), bhi[0], blo[0]);
+                split_tf32(B(8 * kt + 2 * t + 1, 8 * nt + g), bhi[1], blo[1]);
+                mma_3xtf32(acc[nt], ahi, alo, bhi, blo);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------ async copies
+
+__device__ __forceinline__ void cp_async16(float *dst, const float *src, bool valid) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async4(float *dst, const float *src, bool valid) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    const int n = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
+// global matrix (row stride `stride` floats, `nrows` rows, `ncols` = D valid
+// columns) into smem[ROWS][LD_HEAD]; everything outside is zero-filled.
+// vec: 16-byte copies (D % 4 == 0, 16-byte aligned base and stride).
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile_async(float *smem, const float *gmem, i64 stride, int row0,
+                                                int nrows, int ncols, bool vec, int tid) {
+    if (vec) {
+        constexpr int CHUNKS = HEAD_DIM / 4;
+#pragma unroll 4
+        for (int c = tid; c < ROWS * CHUNKS; c += NTHREADS) {
+            const int r = c / CHUNKS, col = 4 * (c % CHUNKS);
+            const bool ok = (row0 + r < nrows) && (col < ncols);
+            const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
+            cp_async16(smem + r * LD_HEAD + col, src, ok);
+        }
+    } else {
+#pragma unroll 4
+        for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
+            const int r = c / HEAD_DIM, col = c % HEAD_DIM;
+            const bool ok = (row0 + r < nrows) && (col < ncols);
+            const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
+            cp_async4(smem + r * LD_HEAD + col, src, ok);
+        }
+    }
+}
+
+// ------------------------------------------------------------------ masks
+
+// Everything a kernel needs to decide whether row i may attend key j.
+struct MaskParams {
+    const void *mask;        // dense mask or nullptr (MASK_MODE 0)
+    i64 m_sb, m_sh, m_sq, m_sk;  // its element strides (0 on broadcast dims)
+    int band_lo, band_hi;    // row i sees keys i + band_lo <= j <= i + band_hi
+    int kl;                  // keys j >= kl are padding (key length)
+    int nq;                  // rows i >= nq do not exist
+};
+
+// Does the band + key length + row range hide any element of the tile
+// [i0, i0 + rows) x [j0, j0 + cols)?  (A dense mask is always applied.)
+__device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
+    return MASK_MODE != 0 || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
+           j0 + cols - 1 > i0 + mp.band_hi;
+}
+
+// Scaled score of element (i, j) in log2 units, or -inf where it is masked.
+// `mask_base` already points at batch b, head h of the dense mask.
+__device__ __forceinline__ float masked_score(float s, float scale_log2, const MaskParams &mp,
+                                              const char *mask_base, int i, int j) {
+    const bool in_band = (j < mp.kl) && (i < mp.nq) && (j >= i + mp.band_lo) && (j <= i + mp.band_hi);
+    if (!in_band) return NEG_INF;
+    float x = s * scale_log2;
+#if MASK_MODE == 1
+    const unsigned char keep = *((const unsigned char *)mask_base + (i64)i * mp.m_sq + (i64)j * mp.m_sk);
+    if (!keep) return NEG_INF;
+#elif MASK_MODE == 2
+    const float bias = *((const float *)mask_base + (i64)i * mp.m_sq + (i64)j * mp.m_sk);
+    x = fmaf(bias, LOG2E, x);
+#endif
+    return x;
+}
+
+// Base of the dense mask at (b, h), as bytes; nullptr without a dense mask.
+__device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int b, int h) {
+#if MASK_MODE == 1
+    return (const char *)mp.mask + (i64)b * mp.m_sb + (i64)h * mp.m_sh;
+#elif MASK_MODE == 2
+    return (const char *)((const float *)mp.mask + (i64)b * mp.m_sb + (i64)h * mp.m_sh);
+#else
+    return nullptr;
+#endif
+}

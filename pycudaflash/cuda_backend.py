@@ -1,0 +1,393 @@
+"""CUDA backend: launches the kernels of ``cuda_src/`` through PyCUDA.
+
+Everything here runs after validation; it receives a
+:class:`~pycudaflash._problem.Problem` and a stream.  The library works in the
+device's *primary* context (shared with PyTorch and CuPy in the same
+process): :func:`activate` retains it and makes it current.  All launches,
+copies and temporaries go on the caller's stream; the host waits only when
+numpy results must come back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from . import compiler
+from ._problem import Operand, Problem
+from .semantics import BAND_UNBOUNDED
+
+_state = threading.local()
+_primary: Dict[int, Any] = {}
+MAX_GRID_YZ = 65535
+
+
+# ------------------------------------------------------------------ context
+
+
+def activate(device: Optional[int] = None):
+    """Retain the primary context of ``device`` and make it current; return it.
+
+    ``device`` defaults to the device of the current context if there is one,
+    else ``$PYCUDAFLASH_DEVICE`` or 0.  Idempotent.
+    """
+    import pycuda.driver as drv
+
+    drv.init()
+    current = drv.Context.get_current()
+    if device is None:
+        if current is not None:
+            device = _ordinal_of(current.get_device())
+        else:
+            device = int(os.environ.get("PYCUDAFLASH_DEVICE", "0"))
+    ctx = _primary.get(device)
+    if ctx is None:
+        ctx = drv.Device(device).retain_primary_context()
+        _primary[device] = ctx
+        if len(_primary) == 1:
+            atexit.register(_release)
+    if current is None or _handle(current) != _handle(ctx):
+        ctx.push()
+        pushed = getattr(_state, "pushed", [])
+        pushed.append(ctx)
+        _state.pushed = pushed
+    return ctx
+
+
+def _ordinal_of(dev) -> int:
+    import pycuda.driver as drv
+
+    bus = dev.pci_bus_id()
+    for i in range(drv.Device.count()):
+        if drv.Device(i).pci_bus_id() == bus:
+            return i
+    return 0
+
+
+def _handle(ctx) -> int:
+    h = getattr(ctx, "handle", None)
+    return int(h) if h is not None else id(ctx)
+
+
+def _release() -> None:
+    import pycuda.driver as drv
+
+    for ctx in reversed(getattr(_state, "pushed", [])):
+        try:
+            if _handle(drv.Context.get_current()) == _handle(ctx):
+                drv.Context.pop()
+        except Exception:
+            pass
+    _state.pushed = []
+
+
+# ---------------------------------------------------------------- workspace
+
+
+class _Workspace:
+    """Grow-only float32/int32 scratch memory, one per stream.
+
+    Work on one stream runs in order, so a later call may reuse the memory of
+    an earlier one on the same stream; different streams never share it.
+    """
+
+    def __init__(self) -> None:
+        self.alloc = None
+        self.nbytes = 0
+
+    def get(self, nbytes: int) -> int:
+        import pycuda.driver as drv
+
+        if nbytes > self.nbytes:
+            self.alloc = None  # freeing synchronises with pending work that used it
+            self.alloc = drv.mem_alloc(max(nbytes, 256))
+            self.nbytes = nbytes
+        return int(self.alloc)
+
+
+_workspaces: Dict[Tuple[int, int], _Workspace] = {}
+
+
+def _workspace(stream) -> _Workspace:
+    import pycuda.driver as drv
+
+    key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = _Workspace()
+    return ws
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+# ------------------------------------------------------------------ operands
+
+
+class _DevArg:
+    """Device pointer and element strides of one operand, plus what keeps it alive."""
+
+    def __init__(self, ptr: int, strides: Tuple[int, ...], keep: Any = None, host: Any = None):
+        self.ptr = int(ptr)
+        self.strides = tuple(int(s) for s in strides)
+        self.keep = keep  # device buffer owned by this call (uploaded copy / new output)
+        self.host = host  # numpy array to copy results back into
+
+
+def _upload(arr: np.ndarray, stream):
+    import pycuda.gpuarray as gpuarray
+
+    return gpuarray.to_gpu_async(np.ascontiguousarray(arr), stream=stream)
+
+
+def _c_strides(shape) -> Tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _input(op: Operand, stream) -> _DevArg:
+    if op.on_device:
+        return _DevArg(op.ptr, op.strides)
+    buf = _upload(op.array, stream)
+    return _DevArg(int(buf.gpudata), _c_strides(op.shape), keep=buf)
+
+
+def _mask_input(op: Optional[Operand], stream) -> _DevArg:
+    if op is None:
+        return _DevArg(0, (0, 0, 0, 0))
+    if op.on_device:
+        return _DevArg(op.ptr, op.strides)
+    # Upload the compact mask (size 1 on broadcast dims) and keep zero strides there.
+    arr = op.array
+    compact = arr[tuple(slice(0, 1) if s == 0 else slice(None) for s in op.strides)]
+    buf = _upload(compact, stream)
+    cs = _c_strides(compact.shape)
+    strides = tuple(0 if s == 0 else c for s, c in zip(op.strides, cs))
+    return _DevArg(int(buf.gpudata), strides, keep=buf)
+
+
+def _output(op: Optional[Operand], shape, stream, on_device: bool) -> _DevArg:
+    import pycuda.gpuarray as gpuarray
+
+    if op is not None and op.on_device:
+        return _DevArg(op.ptr, op.strides, keep=None)
+    buf = gpuarray.empty(shape, np.float32)
+    host = None
+    if not on_device:
+        host = op.array if op is not None else np.empty(shape, np.float32)
+    return _DevArg(int(buf.gpudata), _c_strides(shape), keep=buf, host=host)
+
+
+def _result(arg: _DevArg, op: Optional[Operand], stream):
+    """What the API returns for one output: the caller's buffer, a GPUArray or numpy."""
+    if arg.host is not None:
+        return arg.host
+    if op is not None:
+        return op.obj
+    return arg.keep
+
+
+def _finish_host(args, stream) -> None:
+    """Wait for the stream, then copy device results back into their numpy arrays."""
+    import pycuda.driver as drv
+
+    if stream is not None:
+        stream.synchronize()
+    else:
+        drv.Context.synchronize()
+    for a in args:
+        if a.host is not None:
+            a.host[...] = a.keep.get()
+
+
+def _key_lengths(prob: Problem, stream, ws_ptr: int) -> int:
+    """Copy the validated key lengths into the workspace; return the device pointer (0 if none)."""
+    import pycuda.driver as drv
+
+    if prob.key_lengths is None:
+        return 0
+    kl = np.ascontiguousarray(prob.key_lengths, dtype=np.int32)
+    if stream is not None:
+        drv.memcpy_htod_async(ws_ptr, kl, stream)
+    else:
+        drv.memcpy_htod(ws_ptr, kl)
+    return ws_ptr
+
+
+def _band(prob: Problem) -> Tuple[int, int]:
+    lo = max(prob.band.lo_off, -BAND_UNBOUNDED)
+    hi = min(prob.band.hi_off, BAND_UNBOUNDED)
+    return lo, hi
+
+
+def _check_grid(prob: Problem) -> None:
+    if prob.B > MAX_GRID_YZ or prob.H > MAX_GRID_YZ:
+        raise ValueError(f"B and H must each be <= {MAX_GRID_YZ} on the CUDA backend, got B={prob.B}, H={prob.H}")
+
+
+def _vec_ok(args, D: int) -> int:
+    """16-byte loads are possible: D % 4 == 0, rows and bases 16-byte aligned."""
+    if D % 4:
+        return 0
+    for a in args:
+        if a.ptr % 16:
+            return 0
+        if any(s % 4 for s in a.strides[:-1]):
+            return 0
+    return 1
+
+
+def _three(strides) -> Tuple[int, int, int]:
+    return int(strides[0]), int(strides[1]), int(strides[2])
+
+
+# ------------------------------------------------------------------ forward
+
+_FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
+
+
+def run_forward(prob: Problem, stream=None):
+    """Launch the forward pass; return ``(out, lse)``."""
+    activate()
+    _check_grid(prob)
+    B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
+    hd = compiler.head_dim_bucket(D)
+    defs = compiler.defines("fwd", hd, prob.mask_kind)
+    smem = compiler.smem_bytes("flash_fwd_kernel", hd)
+    fn = compiler.get_function("fwd", defs, "flash_fwd_kernel", _FWD_FORMAT, smem)
+
+    q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
+    out = _output(prob.out, (B, H, Nq, D), stream, prob.on_device)
+    lse = _output(prob.lse, (B, H, Nq), stream, prob.on_device)
+    mask = _mask_input(prob.mask, stream)
+    ws = _workspace(stream)
+    kl_ptr = _key_lengths(prob, stream, ws.get(4 * B)) if prob.key_lengths is not None else 0
+    lo, hi = _band(prob)
+    vec = _vec_ok((q, k, v), D)
+    tiles = compiler.tiles(hd)
+    grid = ((Nq + tiles.fwd_br - 1) // tiles.fwd_br, H, B)
+    fn.prepared_async_call(
+        grid, (32 * compiler.FWD_WARPS, 1, 1), stream,
+        q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
+        Nq, Nk, D,
+        *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),
+        *_three(lse.strides), *mask.strides,
+        np.float32(prob.scale * LOG2E), lo, hi, vec,
+        shared_size=smem,
+    )
+    if not prob.on_device:
+        _finish_host((out, lse), stream)
+    return _result(out, prob.out, stream), _result(lse, prob.lse, stream)
+
+
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------- backward
+
+_PRE_FORMAT = "PPPPP" + "iii" + "q" + "q" * 9
+_DKDV_FORMAT = "PPPPPPPPPPP" + "iii" + "q" * 22 + "ff" + "iii"
+_DQ_FORMAT = "PPPPPPPPP" + "iii" + "q" * 19 + "ff" + "iii"
+_CONVERT_FORMAT = "PP" + "iii" + "q" + "qqq"
+
+
+def run_backward(prob: Problem, stream=None):
+    """Launch the backward pass; return ``(dq, dk, dv)``."""
+    import pycuda.driver as drv
+
+    activate()
+    _check_grid(prob)
+    B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
+    hd = compiler.head_dim_bucket(D)
+    defs = compiler.defines("bwd", hd, prob.mask_kind)
+    tiles = compiler.tiles(hd)
+    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd)
+    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd)
+    f_pre = compiler.get_function("bwd", defs, "flash_bwd_preprocess", _PRE_FORMAT)
+    f_kv = compiler.get_function("bwd", defs, "flash_bwd_dkdv_kernel", _DKDV_FORMAT, smem_kv)
+    if prob.deterministic:
+        f_dq = compiler.get_function("bwd", defs, "flash_bwd_dq_kernel", _DQ_FORMAT, smem_dq)
+    else:
+        f_conv = compiler.get_function("bwd", defs, "flash_bwd_convert_dq", _CONVERT_FORMAT)
+
+    q, k, v, o, do = (_input(op, stream) for op in (prob.q, prob.k, prob.v, prob.out, prob.dout))
+    lse = _input(prob.lse, stream)
+    dq = _output(prob.dq, (B, H, Nq, D), stream, prob.on_device)
+    dk = _output(prob.dk, (B, H, Nk, D), stream, prob.on_device)
+    dv = _output(prob.dv, (B, H, Nk, D), stream, prob.on_device)
+    mask = _mask_input(prob.mask, stream)
+
+    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator.
+    rows = B * H * Nq
+    off_l2 = _align(4 * rows)
+    off_kl = off_l2 + _align(4 * rows)
+    off_dq = off_kl + _align(4 * B)
+    total = off_dq + (0 if prob.deterministic else 4 * rows * D)
+    base = _workspace(stream).get(total)
+    d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
+    kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
+    lo, hi = _band(prob)
+    vec = _vec_ok((q, k, v, do), D)
+    scale = np.float32(prob.scale)
+    scale_log2 = np.float32(prob.scale * LOG2E)
+
+    # 1. Di = rowsum(dO o O), Li*log2(e); zero the dQ accumulator.
+    rows_per_block = 8
+    f_pre.prepared_async_call(
+        ((rows + rows_per_block - 1) // rows_per_block, 1, 1), (32 * rows_per_block, 1, 1), stream,
+        do.ptr, o.ptr, lse.ptr, d_ptr, l2_ptr, H, Nq, D, rows,
+        *_three(do.strides), *_three(o.strides), *_three(lse.strides),
+    )
+    if dqacc_ptr:
+        if stream is not None:
+            drv.memset_d32_async(dqacc_ptr, 0, rows * D, stream)
+        else:
+            drv.memset_d32(dqacc_ptr, 0, rows * D)
+
+    # 2. dK, dV (and dQ by atomics): one block per key tile.
+    f_kv.prepared_async_call(
+        ((Nk + tiles.bwd_bc - 1) // tiles.bwd_bc, H, B), (32 * compiler.BWD_WARPS, 1, 1), stream,
+        q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dqacc_ptr, dk.ptr, dv.ptr, mask.ptr, kl_ptr,
+        Nq, Nk, D,
+        *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
+        *_three(dk.strides), *_three(dv.strides), *mask.strides,
+        scale_log2, scale, lo, hi, vec,
+        shared_size=smem_kv,
+    )
+    # 3. dQ: deterministic kernel, or copy of the accumulator.
+    if prob.deterministic:
+        f_dq.prepared_async_call(
+            ((Nq + tiles.dq_br - 1) // tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
+            q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dq.ptr, mask.ptr, kl_ptr,
+            Nq, Nk, D,
+            *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
+            *_three(dq.strides), *mask.strides,
+            scale_log2, scale, lo, hi, vec,
+            shared_size=smem_dq,
+        )
+    else:
+        n = rows * D
+        blocks = max(1, min((n + 255) // 256, 132 * 16))
+        f_conv.prepared_async_call(
+            (blocks, 1, 1), (256, 1, 1), stream,
+            dqacc_ptr, dq.ptr, H, Nq, D, n, *_three(dq.strides),
+        )
+    if not prob.on_device:
+        _finish_host((dq, dk, dv), stream)
+    return tuple(_result(a, op, stream) for a, op in ((dq, prob.dq), (dk, prob.dk), (dv, prob.dv)))
+
+
+def compile_info() -> Dict[str, Any]:
+    """Where kernels are cached and what this process compiled."""
+    return {
+        "cache_dir": compiler.cache_dir(),
+        "nvcc_version": compiler.nvcc_version(),
+        "variants_compiled": list(compiler.compiled_variants),
+    }

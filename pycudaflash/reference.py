@@ -1,0 +1,208 @@
+"""Float64 reference attention, written as plain untiled math.
+
+This module states the masking semantics a second time, independently of
+:func:`pycudaflash.semantics.band`: the allowed-mask is built from explicit
+index grids ``i = arange(Nq)[:, None]`` and ``j = arange(Nk)[None, :]``.
+Only the argument parsers of :mod:`pycudaflash.semantics` are shared.
+
+Every result is float64 whatever the input dtype, so the backends can be
+compared against it with relative-norm errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .semantics import normalize_causal, normalize_scale, normalize_window
+
+__all__ = ["reference_forward", "reference_backward"]
+
+
+def _as_f64(x: Any) -> np.ndarray:
+    """Any float array (float16, bfloat16, float32, float64) as float64."""
+    return np.asarray(x, dtype=np.float64)
+
+
+def _scores(
+    q: np.ndarray,
+    k: np.ndarray,
+    *,
+    scale: Optional[float],
+    causal: Any,
+    window: Any,
+    mask: Any,
+    key_lengths: Any,
+) -> Tuple[np.ndarray, float]:
+    """Scaled, biased and masked scores ``S`` (B, H, Nq, Nk) and the scale.
+
+    Positions that may not be attended hold ``-inf``.
+    """
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError("q and k must have shape (B, H, N, D)")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    mode = normalize_causal(causal)
+    left, right = normalize_window(window)
+    s = normalize_scale(scale, D)
+
+    # Index grids: query row i, key column j.
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    off = Nk - Nq if mode == "bottom_right" else 0
+
+    # Causal and window conditions, (Nq, Nk).
+    allowed = np.ones((Nq, Nk), dtype=bool)
+    if mode != "none":
+        allowed &= j <= i + off
+    if left >= 0:
+        allowed &= j >= i + off - left
+    if right >= 0:
+        allowed &= j <= i + off + right
+    allowed = np.broadcast_to(allowed, (B, H, Nq, Nk))
+
+    # Key padding: key j of batch element b exists when j < key_lengths[b].
+    if key_lengths is not None:
+        kl = np.asarray(key_lengths).astype(np.int64).reshape(B)
+        allowed = allowed & (j[None, None] < kl[:, None, None, None])
+
+    # Dense mask: bool selects, float is an additive bias.
+    bias: Optional[np.ndarray] = None
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.dtype == np.bool_:
+            allowed = allowed & np.broadcast_to(m, (B, H, Nq, Nk))
+        else:
+            bias = np.broadcast_to(np.asarray(m, dtype=np.float64), (B, H, Nq, Nk))
+
+    # S = scale * Q K^T (+ bias), -inf where not allowed.
+    S = np.matmul(q, np.swapaxes(k, -1, -2))
+    S *= s
+    if bias is not None:
+        S += bias
+    np.copyto(S, -np.inf, where=~allowed)
+    return S, s
+
+
+def _softmax_parts(S: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Row probabilities ``P`` and natural-log ``lse`` of scores ``S``.
+
+    ``S`` is overwritten by ``P``.  A row whose scores are all ``-inf`` gets
+    ``P = 0`` and ``lse = -inf``.
+    """
+    m = np.max(S, axis=-1, initial=-np.inf)
+    seen = np.isfinite(m)
+    m_safe = np.where(seen, m, 0.0)
+    # exp(S - m); exp(-inf) = 0 silently and m_safe is finite, so no inf - inf.
+    P = S
+    P -= m_safe[..., None]
+    np.exp(P, out=P)
+    l = np.sum(P, axis=-1)
+    l_safe = np.where(seen, l, 1.0)
+    # Normalise the rows; lse = m + log(l).
+    P /= l_safe[..., None]
+    lse = np.where(seen, m_safe + np.log(l_safe), -np.inf)
+    return P, lse
+
+
+def reference_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: Optional[float] = None,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Attention forward pass in float64, without tiling.
+
+    Parameters
+    ----------
+    q : array, shape (B, H, Nq, D)
+    k, v : arrays, shape (B, H, Nk, D)
+        Any float dtype; converted to float64.
+    scale : float, optional
+        Score scale, default ``1/sqrt(D)``.
+    causal : bool or {'top_left', 'bottom_right'}, optional
+        ``True``/``'top_left'``: ``j <= i``; ``'bottom_right'``:
+        ``j <= i + Nk - Nq``.
+    window : (left, right), optional
+        ``i + off - left <= j <= i + off + right`` with ``off = Nk - Nq`` for
+        bottom-right alignment, else 0; ``None``/``-1`` leaves a side open.
+    mask : array, optional
+        Broadcastable to (B, H, Nq, Nk); bool (True = attend) or float (added
+        to the scaled scores, ``-inf`` allowed, ``+inf``/NaN not supported).
+    key_lengths : int array of shape (B,), optional
+        Key ``j`` of batch element ``b`` is masked when ``j >= key_lengths[b]``.
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, Nq, D), float64
+        ``softmax(S) V``; 0 on rows that see no key.
+    lse : ndarray, shape (B, H, Nq), float64
+        Natural-log log-sum-exp of each row of ``S``; ``-inf`` on rows that see
+        no key.
+    """
+    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
+    S, _ = _scores(
+        q64, k64, scale=scale, causal=causal, window=window, mask=mask,
+        key_lengths=key_lengths,
+    )
+    P, lse = _softmax_parts(S)
+    # O = P V.
+    out = np.matmul(P, v64)
+    return out, lse
+
+
+def reference_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: Optional[float] = None,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Attention backward pass in float64, recomputing the forward itself.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, Nq, D)
+        Gradient of the loss with respect to ``out``.
+    q, k, v, scale, causal, window, mask, key_lengths
+        As in :func:`reference_forward`.
+
+    Returns
+    -------
+    dq : ndarray, shape (B, H, Nq, D), float64
+    dk, dv : ndarrays, shape (B, H, Nk, D), float64
+        Gradients of the loss; rows that see no key contribute nothing and get
+        ``dq = 0``.
+    """
+    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
+    dO = _as_f64(dout)
+    S, s = _scores(
+        q64, k64, scale=scale, causal=causal, window=window, mask=mask,
+        key_lengths=key_lengths,
+    )
+    # P = exp(S - lse), 0 on masked positions and on rows that see no key.
+    P, _ = _softmax_parts(S)
+    O = np.matmul(P, v64)
+    # dV = P^T dO.
+    dv = np.matmul(np.swapaxes(P, -1, -2), dO)
+    # dP = dO V^T.
+    dP = np.matmul(dO, np.swapaxes(v64, -1, -2))
+    # D_i = rowsum(dO * O).
+    Di = np.sum(dO * O, axis=-1)
+    # dS = P * (dP - D_i).
+    dS = P * (dP - Di[..., None])
+    # dQ = scale dS K, dK = scale dS^T Q.
+    dq = s * np.matmul(dS, k64)
+    dk = s * np.matmul(np.swapaxes(dS, -1, -2), q64)
+    return dq, dk, dv
