@@ -296,3 +296,29 @@ def compile_offline(pass_: str, defs: Dict[str, int], arch: str, nvcc: str = "nv
     log = proc.stdout + proc.stderr
     regs, spills, stack = parse_ptxas(log)
     return OfflineResult(pass_, dict(defs), arch, proc.returncode == 0, log, regs, spills, stack)
+
+
+def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None) -> List[Tuple[str, Dict[str, int], float]]:
+    """Compile variants into PyCUDA's disk cache in parallel (nvcc processes).
+
+    Returns ``(pass, defines, seconds)`` for each.  Later ``get_module`` calls
+    for these variants then only load the cached cubins.
+    """
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pycuda.compiler import compile as pycuda_compile
+
+    if arch is None:
+        arch = arch_of_current_device()
+    todo = list(variants if variants is not None else all_variants())
+
+    def build(item):
+        pass_, defs = item
+        t0 = time.perf_counter()
+        pycuda_compile(source(pass_), options=options(defs), arch=arch, no_extern_c=True,
+                       cache_dir=_explicit_cache_dir())
+        return pass_, defs, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(build, todo))

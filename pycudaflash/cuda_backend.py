@@ -73,6 +73,11 @@ def _handle(ctx) -> int:
     return int(h) if h is not None else id(ctx)
 
 
+def deactivate() -> None:
+    """Pop the contexts :func:`activate` pushed on this thread (also run at exit)."""
+    _release()
+
+
 def _release() -> None:
     import pycuda.driver as drv
 

@@ -1,0 +1,533 @@
+"""Argument checking for the public API.
+
+:func:`validate_forward` and :func:`validate_backward` turn the caller's
+arguments into a :class:`~pycudaflash._problem.Problem`, raising ``TypeError``
+(wrong kind of object or dtype) or ``ValueError`` (wrong shape, layout or
+value) before any work starts.  Validation reads only array metadata; the one
+exception is a ``key_lengths`` array that lives on the device, which is copied
+to the host (:func:`_device_to_host`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import semantics
+from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only
+from ._problem import Operand, Problem
+
+__all__ = [
+    "LSE_DTYPE",
+    "MAX_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_DTYPE_NAMES",
+    "validate_backward",
+    "validate_forward",
+]
+
+
+def _named_dtype(name: str) -> Optional[np.dtype]:
+    """numpy dtype for a dtype name; ``None`` for bfloat16 when ml_dtypes is missing."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            return None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _build_dtype_table(names: Iterable[str]) -> Dict[np.dtype, str]:
+    """Map each usable dtype in ``names`` to its name."""
+    table: Dict[np.dtype, str] = {}
+    for name in names:
+        dtype = _named_dtype(name)
+        if dtype is not None:
+            table[dtype] = name
+    return table
+
+
+#: Names of the input dtypes (q, k, v, out, dout, dq, dk, dv) the kernels
+#: accept.  This is the single place to enable "float16" or "bfloat16" (the
+#: latter is only available when ml_dtypes is installed).
+SUPPORTED_DTYPE_NAMES: Tuple[str, ...] = ("float32",)
+
+#: ``numpy.dtype -> name`` for every supported input dtype.
+SUPPORTED_DTYPES: Dict[np.dtype, str] = _build_dtype_table(SUPPORTED_DTYPE_NAMES)
+
+#: dtype of the log-sum-exp array.
+LSE_DTYPE = np.dtype(np.float32)
+
+#: Largest supported head dimension D.
+MAX_HEAD_DIM = 256
+
+#: Mask dtypes accepted besides the input dtype itself.
+_MASK_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32))
+
+
+class _Dims(NamedTuple):
+    """Problem sizes read from q and k."""
+
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+
+
+# --------------------------------------------------------------------------
+# public entry points
+# --------------------------------------------------------------------------
+
+
+def validate_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    scale: Any = None,
+    out: Any = None,
+    lse: Any = None,
+) -> Problem:
+    """Check the arguments of a forward call and describe it as a :class:`Problem`.
+
+    Parameters
+    ----------
+    q, k, v : arrays
+        Shapes (B, H, Nq, D) and (B, H, Nk, D); all numpy or all device arrays.
+    causal, window, mask, key_lengths, scale
+        As in :func:`pycudaflash.flash_attn_forward`.
+    out, lse : arrays, optional
+        Output buffers, (B, H, Nq, D) with q's dtype and (B, H, Nq) float32.
+
+    Returns
+    -------
+    Problem
+        With ``out``/``lse`` set to the buffers' operands (or None).
+
+    Raises
+    ------
+    TypeError
+        Unsupported objects or dtypes, mixed host and device arrays.
+    ValueError
+        Bad shapes, layouts, alignments or argument values.
+    """
+    ops = _operands(q=q, k=k, v=v, out=out, lse=lse, mask=mask)
+    _check_same_kind(ops)
+    _check_ndim(ops, ("q", "k", "v", "out"))
+    dims = _check_qkv_dims(ops["q"], ops["k"], ops["v"])
+    dtype = _check_dtypes(ops, ("q", "k", "v", "out"))
+    _check_shape(ops["out"], (dims.B, dims.H, dims.Nq, dims.D), "(B, H, Nq, D)", "q")
+    _check_lse(ops["lse"], dims)
+    _check_layouts(ops, ("q", "k", "v", "out", "lse"))
+    _check_outputs(ops, ("out", "lse"))
+    return _make_problem(
+        ops, dims, dtype, causal=causal, window=window, scale=scale,
+        key_lengths=key_lengths, deterministic=False,
+    )
+
+
+def validate_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    scale: Any = None,
+    deterministic: Any = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+) -> Problem:
+    """Check the arguments of a backward call and describe it as a :class:`Problem`.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, Nq, D)
+        Gradient with respect to the forward output.
+    q, k, v : arrays
+        The forward inputs.
+    out, lse : arrays
+        The forward results (required inputs here), (B, H, Nq, D) and
+        (B, H, Nq) float32.
+    causal, window, mask, key_lengths, scale
+        As in :func:`pycudaflash.flash_attn_backward`.
+    deterministic : bool
+        Passed through to the problem.
+    dq, dk, dv : arrays, optional
+        Output buffers shaped like q, k and v.
+
+    Returns
+    -------
+    Problem
+        With ``out``/``lse`` the saved forward results, ``dout`` set and
+        ``dq``/``dk``/``dv`` the buffers' operands (or None).
+
+    Raises
+    ------
+    TypeError
+        Unsupported objects or dtypes, mixed host and device arrays, a
+        non-bool ``deterministic``.
+    ValueError
+        Bad shapes, layouts, alignments or argument values.
+    """
+    ops = _operands(
+        dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, mask=mask,
+        required=("dout", "q", "k", "v", "out", "lse"),
+    )
+    _check_same_kind(ops)
+    _check_ndim(ops, ("q", "k", "v", "dout", "out", "dq", "dk", "dv"))
+    dims = _check_qkv_dims(ops["q"], ops["k"], ops["v"])
+    dtype = _check_dtypes(ops, ("q", "k", "v", "out", "dout", "dq", "dk", "dv"))
+    q_shape = (dims.B, dims.H, dims.Nq, dims.D)
+    k_shape = (dims.B, dims.H, dims.Nk, dims.D)
+    for name in ("dout", "out", "dq"):
+        _check_shape(ops[name], q_shape, "(B, H, Nq, D)", "q")
+    for name in ("dk", "dv"):
+        _check_shape(ops[name], k_shape, "(B, H, Nk, D)", "k")
+    _check_lse(ops["lse"], dims)
+    _check_layouts(ops, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
+    _check_outputs(ops, ("dq", "dk", "dv"))
+    return _make_problem(
+        ops, dims, dtype, causal=causal, window=window, scale=scale,
+        key_lengths=key_lengths, deterministic=deterministic,
+    )
+
+
+# --------------------------------------------------------------------------
+# operands: kinds, shapes, dtypes, layouts
+# --------------------------------------------------------------------------
+
+
+def _operands(
+    required: Sequence[str] = ("q", "k", "v"), **arrays: Any
+) -> Dict[str, Optional[Operand]]:
+    """Operands for the given arrays (``None`` stays ``None`` unless required)."""
+    ops: Dict[str, Optional[Operand]] = {}
+    for name, obj in arrays.items():
+        if obj is None and name not in required:
+            ops[name] = None
+            continue
+        ops[name] = as_operand(obj, name)
+    return ops
+
+
+def _present(ops: Dict[str, Optional[Operand]], names: Iterable[str]) -> Iterable[Operand]:
+    """The operands among ``names`` that were given."""
+    return [ops[name] for name in names if ops.get(name) is not None]
+
+
+def _check_same_kind(ops: Dict[str, Optional[Operand]]) -> None:
+    """All array operands (inputs, outputs, mask) must be host, or all device."""
+    ref = ops["q"]
+    for op in _present(ops, ops):
+        if op.kind != ref.kind:
+            names = ", ".join(name for name in ops)
+            raise TypeError(
+                f"{op.name} is {describe_kind(op)} but q is {describe_kind(ref)}; "
+                f"{names} must all be numpy arrays or all device arrays "
+                "(output buffers must be the same kind as the inputs)"
+            )
+
+
+def _check_ndim(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> None:
+    """The 4-D tensors must have exactly 4 dimensions."""
+    for op in _present(ops, names):
+        if len(op.shape) != 4:
+            layout = "(B, H, Nk, D)" if op.name in ("k", "v", "dk", "dv") else "(B, H, Nq, D)"
+            raise ValueError(
+                f"{op.name} must have 4 dimensions {layout}, got {len(op.shape)} "
+                f"(shape {op.shape})"
+            )
+
+
+def _check_qkv_dims(q: Operand, k: Operand, v: Operand) -> _Dims:
+    """Read (B, H, Nq, Nk, D) and check that q, k and v agree."""
+    B, H, Nq, D = q.shape
+    for op in (k, v):
+        for axis, label in ((0, "batch size B"), (1, "head count H"), (3, "head dimension D")):
+            if op.shape[axis] != q.shape[axis]:
+                raise ValueError(
+                    f"{op.name} has {label} = {op.shape[axis]} but q has {q.shape[axis]} "
+                    f"(q shape {q.shape}, {op.name} shape {op.shape})"
+                )
+    Nk = k.shape[2]
+    if v.shape[2] != Nk:
+        raise ValueError(
+            f"k and v must have the same number of keys Nk, got {Nk} and {v.shape[2]} "
+            f"(k shape {k.shape}, v shape {v.shape})"
+        )
+    dims = _Dims(B=B, H=H, Nq=Nq, Nk=Nk, D=D)
+    for label, size in dims._asdict().items():
+        if size == 0:
+            raise ValueError(
+                f"{label} must be at least 1, got 0 (q shape {q.shape}, k shape {k.shape})"
+            )
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"head dimension D must be at most {MAX_HEAD_DIM}, got {D}")
+    return dims
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """Readable dtype name ('float32', or '>f4' for a non-native byte order)."""
+    return dtype.name if dtype.isnative else dtype.str
+
+
+def _check_dtypes(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> np.dtype:
+    """q's dtype must be supported and shared by every operand in ``names``."""
+    q = ops["q"]
+    if q.dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(SUPPORTED_DTYPES.values())
+        raise TypeError(
+            f"q has dtype {_dtype_name(q.dtype)}, which is not supported; "
+            f"supported dtypes: {supported}"
+        )
+    for op in _present(ops, names):
+        if op.dtype != q.dtype:
+            raise TypeError(
+                f"{op.name} has dtype {_dtype_name(op.dtype)} but q has {_dtype_name(q.dtype)}; "
+                f"{', '.join(names)} must all have the same dtype"
+            )
+    return q.dtype
+
+
+def _check_shape(op: Optional[Operand], shape: Tuple[int, ...], layout: str, like: str) -> None:
+    """``op`` (if given) must have exactly ``shape``."""
+    if op is not None and op.shape != shape:
+        raise ValueError(
+            f"{op.name} must have shape {layout} = {shape} like {like}, got {op.shape}"
+        )
+
+
+def _check_lse(op: Optional[Operand], dims: _Dims) -> None:
+    """``lse`` (if given) must be float32 of shape (B, H, Nq)."""
+    if op is None:
+        return
+    shape = (dims.B, dims.H, dims.Nq)
+    if op.shape != shape:
+        raise ValueError(f"lse must have shape (B, H, Nq) = {shape}, got {op.shape}")
+    if op.dtype != LSE_DTYPE:
+        raise TypeError(f"lse must have dtype float32, got {_dtype_name(op.dtype)}")
+
+
+def _check_layouts(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> None:
+    """Non-negative strides, contiguous last dimension, aligned device pointer."""
+    for op in _present(ops, names):
+        _check_nonnegative_strides(op)
+        _check_last_dim_contiguous(op)
+        _check_aligned(op)
+
+
+def _check_nonnegative_strides(op: Operand) -> None:
+    """Strides of dimensions longer than 1 must not be negative."""
+    for axis, (size, stride) in enumerate(zip(op.shape, op.strides)):
+        if size > 1 and stride < 0:
+            raise ValueError(
+                f"{op.name} has a negative stride ({stride} elements) along dimension {axis}; "
+                f"negative strides are not supported (strides {op.strides}), pass a copy"
+            )
+
+
+def _check_last_dim_contiguous(op: Operand) -> None:
+    """The last dimension must have stride 1 (trivially true when its size is 1)."""
+    if op.shape and op.shape[-1] > 1 and op.strides[-1] != 1:
+        raise ValueError(
+            f"{op.name} must be contiguous in its last dimension (stride 1), got stride "
+            f"{op.strides[-1]} elements (shape {op.shape}, strides {op.strides})"
+        )
+
+
+def _check_aligned(op: Operand) -> None:
+    """A device pointer must be a multiple of the element size."""
+    itemsize = op.dtype.itemsize
+    if op.on_device and itemsize > 0 and op.ptr % itemsize != 0:
+        raise ValueError(
+            f"{op.name} device pointer {op.ptr:#x} is not aligned to its element size "
+            f"of {itemsize} bytes"
+        )
+
+
+def _check_outputs(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> None:
+    """Output buffers must be writable and must not repeat elements (stride 0)."""
+    for op in _present(ops, names):
+        if is_read_only(op):
+            raise ValueError(f"output buffer {op.name} is read-only")
+        for axis, (size, stride) in enumerate(zip(op.shape, op.strides)):
+            if size > 1 and stride == 0:
+                raise ValueError(
+                    f"output buffer {op.name} has stride 0 along dimension {axis}, so its "
+                    f"elements overlap (shape {op.shape}, strides {op.strides})"
+                )
+
+
+# --------------------------------------------------------------------------
+# options, mask, key lengths, and the Problem itself
+# --------------------------------------------------------------------------
+
+
+def _make_problem(
+    ops: Dict[str, Optional[Operand]],
+    dims: _Dims,
+    dtype: np.dtype,
+    *,
+    causal: Any,
+    window: Any,
+    scale: Any,
+    key_lengths: Any,
+    deterministic: Any,
+) -> Problem:
+    """Check the non-array options and assemble the :class:`Problem`."""
+    causal_mode = semantics.normalize_causal(causal)
+    left, right = semantics.normalize_window(window)
+    scale_value = _normalize_scale(scale, dims.D)
+    deterministic = _check_deterministic(deterministic)
+    mask_op, mask_kind = _check_mask(ops["mask"], dims, dtype)
+    lengths = _check_key_lengths(key_lengths, dims)
+    q = ops["q"]
+    return Problem(
+        B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
+        scale=scale_value, causal=causal_mode, window_left=left, window_right=right,
+        band=semantics.band(dims.Nq, dims.Nk, causal_mode, left, right),
+        on_device=q.on_device, q=q, k=ops["k"], v=ops["v"],
+        out=ops.get("out"), lse=ops.get("lse"), mask=mask_op, mask_kind=mask_kind,
+        key_lengths=lengths, dout=ops.get("dout"), dq=ops.get("dq"), dk=ops.get("dk"),
+        dv=ops.get("dv"), deterministic=deterministic,
+    )
+
+
+def _normalize_scale(scale: Any, head_dim: int) -> float:
+    """:func:`semantics.normalize_scale`, also rejecting strings such as ``'0.5'``."""
+    if isinstance(scale, (str, bytes)):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    return semantics.normalize_scale(scale, head_dim)
+
+
+def _check_deterministic(deterministic: Any) -> bool:
+    """``deterministic`` must be a bool."""
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(
+            f"deterministic must be a bool, got {type(deterministic).__name__} ({deterministic!r})"
+        )
+    return bool(deterministic)
+
+
+def _check_mask(
+    op: Optional[Operand], dims: _Dims, dtype: np.dtype
+) -> Tuple[Optional[Operand], str]:
+    """Mask dtype, broadcastability and layout; returns the broadcast operand and its kind."""
+    if op is None:
+        return None, "none"
+    allowed = _MASK_DTYPES + ((dtype,) if dtype not in _MASK_DTYPES else ())
+    if op.dtype not in allowed:
+        names = ", ".join(_dtype_name(d) for d in allowed)
+        raise TypeError(f"mask must have dtype {names}, got {_dtype_name(op.dtype)}")
+    shape4 = (dims.B, dims.H, dims.Nq, dims.Nk)
+    broadcast = broadcast_operand(op, shape4)
+    _check_nonnegative_strides(op)
+    _check_aligned(op)
+    kind = "bool" if op.dtype == np.bool_ else "float"
+    return broadcast, kind
+
+
+def _check_key_lengths(obj: Any, dims: _Dims) -> Optional[np.ndarray]:
+    """Validated host int32 copy of ``key_lengths`` (shape (B,), values in [0, Nk])."""
+    if obj is None:
+        return None
+    if isinstance(obj, (list, tuple)):
+        lengths = _sequence_to_array(obj)
+    elif isinstance(obj, np.ndarray):
+        lengths = obj
+    elif is_device_array(obj):
+        op = as_operand(obj, "key_lengths")
+        _check_key_lengths_meta(op.shape, op.dtype, dims)
+        _check_nonnegative_strides(op)
+        _check_aligned(op)
+        lengths = _device_to_host(op)
+    else:
+        raise TypeError(
+            "key_lengths must be a list, tuple, numpy array or device array of integers, "
+            f"got {type(obj).__name__}"
+        )
+    _check_key_lengths_meta(lengths.shape, lengths.dtype, dims)
+    _check_key_lengths_values(lengths, dims.Nk)
+    return np.ascontiguousarray(lengths, dtype=np.int32)
+
+
+def _sequence_to_array(values: Sequence[Any]) -> np.ndarray:
+    """``np.asarray`` of a list/tuple of key lengths; ragged input raises ValueError."""
+    try:
+        return np.asarray(values)
+    except ValueError:
+        raise ValueError(
+            f"key_lengths must be a flat sequence of integers, got {values!r}"
+        ) from None
+
+
+def _check_key_lengths_meta(shape: Tuple[int, ...], dtype: np.dtype, dims: _Dims) -> None:
+    """``key_lengths`` must be an integer array of shape (B,)."""
+    if tuple(shape) != (dims.B,):
+        raise ValueError(f"key_lengths must have shape (B,) = ({dims.B},), got {tuple(shape)}")
+    if dtype.kind not in ("i", "u"):
+        raise TypeError(f"key_lengths must have an integer dtype, got {_dtype_name(dtype)}")
+
+
+def _check_key_lengths_values(lengths: np.ndarray, nk: int) -> None:
+    """Every key length must lie in [0, Nk]."""
+    bad = np.flatnonzero((lengths < 0) | (lengths > nk))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"key_lengths values must lie in [0, Nk] = [0, {nk}], got key_lengths[{b}] = "
+            f"{int(lengths[b])}"
+        )
+
+
+def _device_to_host(op: Operand) -> np.ndarray:
+    """Copy a (small) device operand to a new host array with PyCUDA.
+
+    Parameters
+    ----------
+    op : Operand
+        Device operand with non-negative strides.
+
+    Returns
+    -------
+    numpy.ndarray
+        C-contiguous copy with ``op.shape`` and ``op.dtype``.
+
+    Raises
+    ------
+    RuntimeError
+        If PyCUDA cannot be imported.
+    """
+    if any(size == 0 for size in op.shape):
+        return np.empty(op.shape, dtype=op.dtype)
+    try:
+        import pycuda.driver as drv
+    except Exception as exc:
+        raise RuntimeError(
+            f"copying device {op.name} to the host needs PyCUDA ({type(exc).__name__}: {exc})"
+        ) from exc
+    from . import cuda_backend
+
+    cuda_backend.activate()  # the copy needs the primary context current
+    span = 1 + sum((size - 1) * stride for size, stride in zip(op.shape, op.strides))
+    flat = np.empty(span, dtype=op.dtype)
+    drv.memcpy_dtoh(flat, op.ptr)
+    itemsize = op.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        flat, shape=op.shape, strides=tuple(stride * itemsize for stride in op.strides)
+    )
+    return np.array(view)
