@@ -23,7 +23,8 @@
 // Assumptions: as flash_fwd.cu; lse is the natural-log log-sum-exp of the
 // forward (-inf for rows that saw no key: their gradients are 0).
 //
-// Tile layout (dkdv): BWD_WARPS = 8 warps; Bc = Br = 64 (32 for HEAD_DIM 256).
+// Tile layout (dkdv): BWD_WARPS = 8 warps; Bc x Br = 64 x 32 (HEAD_DIM <= 64),
+// 64 x 64 (HEAD_DIM 128), 32 x 32 (HEAD_DIM 256).
 // Shared memory: Kj, Vj [Bc][HEAD_DIM+4], Qi, dOi [Br][HEAD_DIM+4],
 // Pij, dSij [Br][Bc+4], Li, Di [Br].  Each product spreads its output tile
 // over the 8 warps as a grid of 16-row x (8*NT)-column warp tiles:
@@ -38,8 +39,11 @@
 #if HEAD_DIM > 128
 #define BWD_BR 32
 #define BWD_BC 32
-#else
+#elif HEAD_DIM > 64
 #define BWD_BR 64
+#define BWD_BC 64
+#else
+#define BWD_BR 32
 #define BWD_BC 64
 #endif
 #endif
@@ -345,7 +349,7 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
 
         // dQi += dSij Kj.
         warp_mma_rega<DQ_BC / 8, HEAD_DIM / 8>(dq_acc, s[0], [&](int k, int n) { return Kj[k * LD_HEAD + n]; },
-                                              D, lane);
+                                              lane);
         // Every warp is done with Kj and Vj before the next tile overwrites them.
         __syncthreads();
     }

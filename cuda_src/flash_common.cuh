@@ -9,8 +9,8 @@
 //              (added to the scaled scores).
 //
 // Matrix products run on the tensor cores as split TF32 ("3xTF32"): each float
-// x is split into a TF32 "big" part hi = rna(x) and a TF32 "small" part
-// lo = rna(x - hi), and a*b is accumulated in float32 as
+// x is split into a TF32 "big" part hi = rna(x) and a "small" part lo = x - hi
+// (which the tensor core truncates to TF32), and a*b is accumulated in float32 as
 // a_lo*b_hi + a_hi*b_lo + a_hi*b_hi (the a_lo*b_lo term, ~2^-22 relative, is
 // dropped).  This keeps float32-level accuracy (about 1e-6 relative error) at
 // tensor-core speed.
@@ -43,6 +43,8 @@ typedef unsigned int u32;
 typedef long long i64;
 
 #define WARP_SIZE 32
+#define TF32_MASK 0xffffe000u      // sign, exponent and the 10 mantissa bits TF32 keeps
+#define TF32_HALF_ULP 0x00001000u  // half a TF32 ulp, in float bit units
 // Shared-memory row padding (floats): row strides = 4 (mod 32) words keep
 // every fragment access pattern used here free of bank conflicts.
 #define SMEM_PAD 4
@@ -51,12 +53,11 @@ typedef long long i64;
 // ---------------------------------------------------------------- 3xTF32 mma
 
 __device__ __forceinline__ void split_tf32(float x, u32 &hi, u32 &lo) {
-    u32 h, l;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(h) : "f"(x));
-    const float rest = x - __uint_as_float(h);
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(l) : "f"(rest));
-    hi = h;
-    lo = l;
+    // hi = x rounded to TF32 (nearest, ties away: add half an ulp to the bit
+    // pattern, clear the 13 low bits); lo = x - hi exactly, passed as is (the
+    // tensor core reads its top 10 mantissa bits).  Inputs are finite.
+    hi = (__float_as_uint(x) + TF32_HALF_ULP) & TF32_MASK;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
@@ -111,11 +112,10 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const LoadA &A
 // Warp-level C[16 x 8*NT] += P[16 x 8*KT] * B[8*KT x 8*NT] where P is held in
 // registers in the C-fragment layout of a previous product (p[kt] covers
 // columns 8kt..8kt+7).  The C layout is the A layout under the interleaved k
-// order, so no data moves between lanes.  Columns n >= n_limit are skipped
-// (whole 8-wide tiles past the actual head dim).
+// order, so no data moves between lanes.
 template <int KT, int NT, typename LoadB>
 __device__ __forceinline__ void warp_mma_rega(float (&acc)[NT][4], const float (&p)[KT][4],
-                                              const LoadB &B, int n_limit, int lane) {
+                                              const LoadB &B, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int kt = 0; kt < KT; ++kt) {
@@ -126,12 +126,10 @@ __device__ __forceinline__ void warp_mma_rega(float (&acc)[NT][4], const float (
         split_tf32(p[kt][3], ahi[3], alo[3]);  // (g+8, 2t+1)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            if (8 * nt < n_limit) {
-                u32 bhi[2], blo[2];
-                split_tf32(B(8 * kt + 2 * t, 8 * nt + g), bhi[0], blo[0]);
-                split_tf32(B(8 * kt + 2 * t + 1, 8 * nt + g), bhi[1], blo[1]);
-                mma_3xtf32(acc[nt], ahi, alo, bhi, blo);
-            }
+            u32 bhi[2], blo[2];
+            split_tf32(B(8 * kt + 2 * t, 8 * nt + g), bhi[0], blo[0]);
+            split_tf32(B(8 * kt + 2 * t + 1, 8 * nt + g), bhi[1], blo[1]);
+            mma_3xtf32(acc[nt], ahi, alo, bhi, blo);
         }
     }
 }

@@ -41,10 +41,19 @@
 static_assert(BR == 16 * FWD_WARPS, "one warp per 16 query rows");
 static_assert(BC % 8 == 0, "key tile is a whole number of 8-wide mma tiles");
 
+// Blocks per multiprocessor the register allocation must allow.
+#if HEAD_DIM <= 64
+#define FWD_MIN_BLOCKS 4
+#elif HEAD_DIM <= 128
+#define FWD_MIN_BLOCKS 2
+#else
+#define FWD_MIN_BLOCKS 1
+#endif
+
 #define S_TILES (BC / 8)        // 8-wide score tiles per warp row block
 #define O_TILES (HEAD_DIM / 8)  // 8-wide output tiles
 
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MIN_BLOCKS)
 flash_fwd_kernel(const float *__restrict__ Q, const float *__restrict__ K, const float *__restrict__ V,
                  float *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
@@ -165,8 +174,7 @@ flash_fwd_kernel(const float *__restrict__ Q, const float *__restrict__ K, const
         }
 
         // Oi += Pij Vj.
-        warp_mma_rega<S_TILES, O_TILES>(o_acc, s[0], [&](int k, int n) { return Vj[k * LD_HEAD + n]; }, D,
-                                        lane);
+        warp_mma_rega<S_TILES, O_TILES>(o_acc, s[0], [&](int k, int n) { return Vj[k * LD_HEAD + n]; }, lane);
     }
 
     // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).

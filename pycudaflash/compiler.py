@@ -75,16 +75,36 @@ class Tiles:
 
 
 def tiles(head_dim: int) -> Tiles:
-    """Tile sizes for a head-dim bucket; the kernels' defaults match these."""
+    """Tile sizes for a head-dim bucket; the kernels' defaults match these.
+
+    ``$PYCUDAFLASH_TILES`` overrides them for tuning experiments, e.g.
+    ``"128:fwd_bc=32,bwd_br=32;64:fwd_bc=128"``.
+    """
     big = head_dim > 128
-    return Tiles(
+    small = head_dim <= 64
+    sizes = dict(
         fwd_br=16 * FWD_WARPS,
         fwd_bc=32 if big else 64,
-        bwd_br=32 if big else 64,
+        bwd_br=32 if (big or small) else 64,
         bwd_bc=32 if big else 64,
         dq_br=16 * DQ_WARPS,
         dq_bc=32 if big else 64,
     )
+    sizes.update(_tile_overrides().get(head_dim, {}))
+    return Tiles(**sizes)
+
+
+def _tile_overrides() -> Dict[int, Dict[str, int]]:
+    spec = os.environ.get("PYCUDAFLASH_TILES", "").strip()
+    out: Dict[int, Dict[str, int]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        hd, _, items = part.partition(":")
+        for item in filter(None, (i.strip() for i in items.split(","))):
+            key, _, val = item.partition("=")
+            if key not in Tiles.__dataclass_fields__ or key in ("fwd_br", "dq_br"):
+                raise ValueError(f"PYCUDAFLASH_TILES: unknown or fixed tile size {key!r}")
+            out.setdefault(int(hd), {})[key] = int(val)
+    return out
 
 
 def smem_bytes(kernel: str, head_dim: int) -> int:
