@@ -43,7 +43,7 @@ static_assert(BC % 8 == 0, "key tile is a whole number of 8-wide mma tiles");
 
 // Blocks per multiprocessor the register allocation must allow.
 #if HEAD_DIM <= 64
-#define FWD_MIN_BLOCKS 4
+#define FWD_MIN_BLOCKS 3
 #elif HEAD_DIM <= 128
 #define FWD_MIN_BLOCKS 2
 #else

@@ -1,0 +1,62 @@
+"""Every kernel variant the library can request compiles with nvcc, without spills.
+
+Runs on machines without a GPU: it needs only ``nvcc``.  The source and
+options are the ones :mod:`pycudaflash.compiler` hands to PyCUDA at run time.
+"""
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pycudaflash import compiler
+
+ARCHES = ("sm_80", "sm_90")
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+
+
+@pytest.fixture(scope="module")
+def builds():
+    items = [(p, d, a) for a in ARCHES for p, d in compiler.all_variants()]
+    jobs = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(lambda it: compiler.compile_offline(*it), items))
+
+
+def _label(r):
+    return f"{r.pass_} {r.defines} {r.arch}"
+
+
+def test_variant_count(builds):
+    # 2 passes x 4 head-dim buckets x 3 mask modes, for each architecture.
+    assert len(builds) == 2 * len(compiler.HEAD_DIM_BUCKETS) * len(compiler.MASK_MODES) * len(ARCHES)
+
+
+def test_all_variants_compile(builds):
+    failed = [f"{_label(r)}\n{r.log[-2000:]}" for r in builds if not r.ok]
+    assert not failed, "nvcc failed:\n" + "\n\n".join(failed)
+
+
+def test_no_local_memory_spills(builds):
+    bad = []
+    for r in builds:
+        expected = {"fwd": {"flash_fwd_kernel"},
+                    "bwd": {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel",
+                            "flash_bwd_convert_dq"}}[r.pass_]
+        assert expected <= set(r.spills), f"{_label(r)}: ptxas report lacks {expected - set(r.spills)}"
+        for kernel, (stores, loads) in r.spills.items():
+            if stores or loads or r.stack.get(kernel, 0):
+                bad.append(f"{_label(r)} {kernel}: {stores} B spill stores, {loads} B spill loads, "
+                           f"{r.stack.get(kernel)} B stack")
+    assert not bad, "local memory used:\n" + "\n".join(bad)
+
+
+def test_spill_parser_detects_spills():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas info    : Function properties for k\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers\n")
+    regs, spills, stack = compiler.parse_ptxas(log)
+    assert regs == {"k": 255} and spills == {"k": (8, 4)} and stack == {"k": 16}
