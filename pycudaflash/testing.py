@@ -1,0 +1,813 @@
+"""Tools for checking an attention implementation against a reference.
+
+Importable without PyCUDA or a GPU.  Three groups of helpers:
+
+* :func:`check` (and :class:`CheckResult`): one comparison of a computed array
+  against a float64 reference, with a relative-norm bound, an element bound,
+  and exact checks of the non-finite pattern (NaN, ``-inf``).
+* :func:`attention_problems` (a Hypothesis strategy), :func:`make_inputs` and
+  :func:`attention_kwargs`: random attention problems with every masking
+  feature, odd sizes, broadcast masks and strided layouts.
+* :func:`noise_floors`: the size each result would have without
+  cancellation, to scale :func:`check`'s ``atol`` for results that are
+  legitimately tiny (``dq``/``dk`` of rows that see a single key, an ``out``
+  element averaging a few random values).
+
+Example
+-------
+A property test of one's own attention variant ``my_attention``::
+
+    from hypothesis import given
+    from pycudaflash.reference import reference_forward
+    from pycudaflash.testing import attention_kwargs, attention_problems, check, make_inputs
+
+    @given(attention_problems(max_seqlen=130, max_elements=2_000_000))
+    def test_mine(problem):
+        x = make_inputs(problem)
+        kw = attention_kwargs(problem, x)
+        out, lse = my_attention(x["q"], x["k"], x["v"], **kw)
+        ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw)
+        check("out", out, ref_out, rtol_norm=2e-6).raise_if_failed()
+        check("lse", lse, ref_lse, rtol_norm=2e-6).raise_if_failed()
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "CheckResult",
+    "check",
+    "relative_error",
+    "AttentionProblem",
+    "attention_problems",
+    "make_inputs",
+    "attention_kwargs",
+    "noise_floors",
+    "to_host",
+    "numpy_dtype",
+    "selected_profile",
+    "PROFILE_ENV",
+    "INTERESTING_HEAD_DIMS",
+    "INTERESTING_SEQLENS",
+    "MASK_SHAPES",
+]
+
+#: Head dimensions drawn with extra probability: powers of two, one off them,
+#: and the sizes of common models.
+INTERESTING_HEAD_DIMS: Tuple[int, ...] = (
+    1, 8, 17, 32, 63, 64, 65, 96, 127, 128, 129, 160, 192, 255, 256,
+)
+
+#: Sequence lengths drawn with extra probability: tile sizes and one off them.
+INTERESTING_SEQLENS: Tuple[int, ...] = (
+    1, 2, 17, 63, 64, 65, 97, 113, 127, 128, 129, 257, 511, 700,
+)
+
+#: Broadcast shapes a mask is drawn with, as names resolved by
+#: :meth:`AttentionProblem.mask_array_shape`.
+MASK_SHAPES: Tuple[str, ...] = ("NqNk", "1HNqNk", "B1NqNk", "BHNqNk", "111Nk")
+
+
+# --------------------------------------------------------------------------
+# Host conversion
+# --------------------------------------------------------------------------
+
+
+def to_host(x: Any) -> np.ndarray:
+    """Copy an array to host memory as a numpy array, keeping its dtype.
+
+    Accepts numpy arrays, pycuda ``GPUArray`` and cupy arrays (through
+    ``.get()``) and torch tensors (through ``.detach().cpu()``; bfloat16 tensors
+    come back as float32 because numpy has no native bfloat16).
+
+    Parameters
+    ----------
+    x : array-like
+        The array to copy.
+
+    Returns
+    -------
+    numpy.ndarray
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        t = x.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()
+    getter = getattr(x, "get", None)
+    if callable(getter):
+        return np.asarray(getter())
+    return np.asarray(x)
+
+
+# --------------------------------------------------------------------------
+# Comparison
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Outcome of one :func:`check` comparison.
+
+    Attributes
+    ----------
+    name : str
+        Label of the compared quantity (``'out'``, ``'dq'``, ...).
+    max_abs : float
+        Largest ``|out - ref|`` over the elements where both are finite.
+    rel_norm : float
+        ``||out - ref||_2 / ||ref||_2`` over the elements where ``ref`` is
+        finite (``||out - ref||_2`` itself when ``||ref||_2 == 0``); ``inf``
+        when ``out`` is not finite somewhere ``ref`` is.
+    first_bad : tuple of int or None
+        Index (C order) of the first element that fails, or None.
+    n_nonfinite : int
+        Number of non-finite values of ``out`` where ``ref`` is finite.
+    ok : bool
+        Whether the comparison passed.
+    n_bad : int
+        Number of failing elements.
+    rtol_norm : float
+        The relative-norm bound used.
+    elem_bound : float
+        The scalar part of the element bound, ``elem_factor * rtol_norm *
+        max|ref|`` (raised per element by ``elem_factor * atol``).
+    reason : str
+        Why the check failed (empty when it passed).
+    """
+
+    name: str
+    max_abs: float
+    rel_norm: float
+    first_bad: Optional[Tuple[int, ...]]
+    n_nonfinite: int
+    ok: bool
+    n_bad: int = 0
+    rtol_norm: float = 0.0
+    elem_bound: float = 0.0
+    reason: str = ""
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "FAIL"
+        text = (
+            f"{self.name}: {status} rel_norm={self.rel_norm:.3e} (bound {self.rtol_norm:.1e}) "
+            f"max_abs={self.max_abs:.3e} (elem bound {self.elem_bound:.2e}) "
+            f"n_bad={self.n_bad} nonfinite={self.n_nonfinite} first_bad={self.first_bad}"
+        )
+        if self.reason:
+            text += f" [{self.reason}]"
+        return text
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def raise_if_failed(self) -> "CheckResult":
+        """Raise ``AssertionError`` with the one-line summary if the check failed.
+
+        Returns
+        -------
+        CheckResult
+            ``self``, so calls can be chained.
+        """
+        if not self.ok:
+            raise AssertionError(str(self))
+        return self
+
+    #: Alias of :meth:`raise_if_failed`.
+    assert_ok = raise_if_failed
+
+
+def _as_f64(x: Any) -> np.ndarray:
+    return np.asarray(to_host(x), dtype=np.float64)
+
+
+def _first_index(flags: np.ndarray) -> Optional[Tuple[int, ...]]:
+    """C-order index of the first True in ``flags`` (None if there is none)."""
+    if not flags.any():
+        return None
+    flat = int(np.argmax(flags))  # argmax scans in C order whatever the strides
+    return tuple(int(i) for i in np.unravel_index(flat, flags.shape))
+
+
+def check(
+    name: str,
+    out: Any,
+    ref: Any,
+    *,
+    rtol_norm: float,
+    atol: Union[None, float, np.ndarray] = None,
+    exact: Optional[np.ndarray] = None,
+    elem_factor: float = 4.0,
+) -> CheckResult:
+    """Compare a computed array ``out`` with a reference ``ref``.
+
+    Both are converted to float64 (device arrays are copied to the host).
+    Element ``i`` *fails* when any of these holds:
+
+    * ``ref[i]`` is finite and ``out[i]`` is not (NaN or infinite);
+    * ``ref[i]`` is not finite and ``out[i]`` differs from it: a ``-inf`` in
+      ``ref`` (an ``lse`` row that sees no key) must be exactly ``-inf``, a
+      ``+inf`` exactly ``+inf``, a NaN a NaN;
+    * ``exact[i]`` is True and ``out[i] != ref[i]`` (e.g. the exact zeros of
+      rows that see no key);
+    * ``|out[i] - ref[i]| > elem_factor * max(atol[i], rtol_norm * max|ref|)``,
+      the maximum taken over the finite entries of ``ref``.
+
+    The whole comparison passes when no element fails and, over the elements
+    where ``ref`` is finite,
+    ``||out - ref||_2 <= rtol_norm * ||ref||_2 + ||atol||_2``.
+
+    The element bound catches a single wrong element (an unwritten row, a tile
+    edge) that the norm would average away.  It is ``elem_factor`` times
+    looser than the per-element scale of the norm bound because the largest
+    of many rounding errors is several times their root mean square, while
+    ``max|ref|`` (or ``atol[i]``) is only a few times the typical size: with
+    ``elem_factor = 1``, honest rounding errors that pass the norm bound would
+    trip it.  ``atol`` is an absolute noise floor for quantities that are
+    legitimately near zero (see :func:`noise_floors`).
+
+    Parameters
+    ----------
+    name : str
+        Label used in the summary line.
+    out : array-like
+        Computed values (numpy, pycuda ``GPUArray``, cupy, torch).
+    ref : array-like
+        Reference values, same shape as ``out``.
+    rtol_norm : float
+        Bound on the relative-norm error ``||out - ref|| / ||ref||``.
+    atol : float or array broadcastable to ``ref.shape``, optional
+        Absolute floor, per element when an array.  Default 0.
+    exact : bool array broadcastable to ``ref.shape``, optional
+        Elements that must match ``ref`` exactly.
+    elem_factor : float, optional
+        How much looser the element bound is than ``max(atol[i], rtol_norm *
+        max|ref|)`` (default 4).
+
+    Returns
+    -------
+    CheckResult
+        Call ``.raise_if_failed()`` on it to turn a failure into an
+        ``AssertionError`` carrying the summary line.
+    """
+    o = _as_f64(out)
+    r = _as_f64(ref)
+    rtol_norm = float(rtol_norm)
+    if o.shape != r.shape:
+        return CheckResult(
+            name, math.nan, math.nan, None, 0, False, n_bad=0, rtol_norm=rtol_norm,
+            reason=f"shape {o.shape} != reference shape {r.shape}",
+        )
+    a = np.zeros(r.shape) if atol is None else np.broadcast_to(
+        np.asarray(atol, dtype=np.float64), r.shape
+    )
+
+    ref_fin = np.isfinite(r)
+    out_fin = np.isfinite(o)
+    both = ref_fin & out_fin
+    # Non-finite values of out where ref is finite.
+    nonfinite = ref_fin & ~out_fin
+    # Non-finite pattern of ref must be reproduced exactly (NaN matches NaN).
+    pattern = ~ref_fin & ~((o == r) | (np.isnan(o) & np.isnan(r)))
+
+    diff = np.abs(np.where(both, o, 0.0) - np.where(both, r, 0.0))
+    max_ref = float(np.max(np.abs(r), where=ref_fin, initial=0.0))
+    elem_bound = float(elem_factor) * rtol_norm * max_ref
+    too_far = both & (diff > np.maximum(float(elem_factor) * a, elem_bound))
+    bad = nonfinite | pattern | too_far
+    if exact is not None:
+        ex = np.broadcast_to(np.asarray(exact, dtype=bool), r.shape)
+        bad |= ex & both & (o != r)
+
+    n_nonfinite = int(np.count_nonzero(nonfinite))
+    n_bad = int(np.count_nonzero(bad))
+    max_abs = float(diff.max(initial=0.0))
+    err_norm = float(np.sqrt(np.sum(diff * diff)))
+    ref_norm = float(np.sqrt(np.sum(np.where(ref_fin, r * r, 0.0))))
+    atol_norm = float(np.sqrt(np.sum(np.where(ref_fin, a * a, 0.0))))
+    if n_nonfinite:
+        rel_norm = math.inf
+    elif ref_norm > 0.0:
+        rel_norm = err_norm / ref_norm
+    else:
+        rel_norm = err_norm
+    norm_ok = n_nonfinite == 0 and err_norm <= rtol_norm * ref_norm + atol_norm
+
+    reasons = []
+    if n_nonfinite:
+        reasons.append(f"{n_nonfinite} non-finite where the reference is finite")
+    n_pattern = int(np.count_nonzero(pattern))
+    if n_pattern:
+        reasons.append(f"{n_pattern} mismatched -inf/+inf/NaN reference entries")
+    n_far = int(np.count_nonzero(too_far))
+    if n_far:
+        reasons.append(f"{n_far} elements beyond the element bound")
+    n_exact = n_bad - int(np.count_nonzero(nonfinite | pattern | too_far))
+    if n_exact:
+        reasons.append(f"{n_exact} elements not exactly equal where required")
+    if not norm_ok and not n_nonfinite:
+        reasons.append("relative-norm error above bound")
+    ok = n_bad == 0 and norm_ok
+    return CheckResult(
+        name=name,
+        max_abs=max_abs,
+        rel_norm=rel_norm,
+        first_bad=_first_index(bad),
+        n_nonfinite=n_nonfinite,
+        ok=ok,
+        n_bad=n_bad,
+        rtol_norm=rtol_norm,
+        elem_bound=elem_bound,
+        reason="; ".join(reasons),
+    )
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    """Relative-norm error ``||out - ref||_2 / ||ref||_2`` in float64.
+
+    Only the elements where ``ref`` is finite are compared; the result is
+    ``inf`` when ``out`` is not finite at one of them or does not reproduce a
+    non-finite entry of ``ref`` exactly.  When ``||ref||_2 == 0`` the absolute
+    norm ``||out - ref||_2`` is returned.
+
+    Parameters
+    ----------
+    out, ref : array-like
+        Same shape.
+
+    Returns
+    -------
+    float
+    """
+    o = _as_f64(out)
+    r = _as_f64(ref)
+    if o.shape != r.shape:
+        raise ValueError(f"shape {o.shape} != reference shape {r.shape}")
+    ref_fin = np.isfinite(r)
+    if not np.all(np.isfinite(o[ref_fin])):
+        return math.inf
+    if not np.all((o[~ref_fin] == r[~ref_fin]) | (np.isnan(o[~ref_fin]) & np.isnan(r[~ref_fin]))):
+        return math.inf
+    d = np.where(ref_fin, o, 0.0) - np.where(ref_fin, r, 0.0)
+    err = float(np.sqrt(np.sum(d * d)))
+    den = float(np.sqrt(np.sum(np.where(ref_fin, r * r, 0.0))))
+    return err / den if den > 0.0 else err
+
+
+# --------------------------------------------------------------------------
+# Noise floors
+# --------------------------------------------------------------------------
+
+
+def _row_norms(x: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.sum(x * x, axis=-1))
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x * x))) if x.size else 0.0
+
+
+def noise_floors(
+    q: Any,
+    k: Any,
+    v: Any,
+    dout: Any = None,
+    *,
+    scale: Optional[float] = None,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+) -> Dict[str, np.ndarray]:
+    """Size each result would have without cancellation, per element.
+
+    Every attention result is a sum of signed terms: ``out_i = sum_j P_ij
+    v_j``, ``dv_j = sum_i P_ij dO_i``, ``dq_i = scale sum_j dS_ij k_j`` with
+    ``dS_ij = P_ij (dP_ij - D_i)``, and so on.  When the terms cancel, the
+    result is small but its rounding error is not: ``dS`` is exactly 0 for a
+    row that sees a single key (``dP_ij = D_i = dO_i . v_j``) while ``dP_ij``
+    and ``D_i`` each carry an error of about ``u ||dO_i|| ||v_j||``; a single
+    ``out`` element averaging a few random values may be near 0.  A relative
+    error is meaningless for such a result, so :func:`check` takes
+    ``atol = rtol * floor`` with the floors computed here: the size the sum
+    would have if its terms added up at random (the root of the sum of their
+    squares), for inputs with independent entries as :func:`make_inputs`
+    draws them (``|a . b|`` is then typically ``||a|| ||b|| / sqrt(D)``):
+
+    * ``'out'``: ``sqrt(sum_j P_ij^2 v_jd^2)``;
+    * ``'dv'``: ``sqrt(sum_i P_ij^2 ||dO_i||^2 / D)``;
+    * ``'dq'``: ``|scale| rms(k) ||dO_i|| sqrt(sum_j P_ij^2 ||v_j||^2 / D)``;
+    * ``'dk'``: ``|scale| rms(q) ||v_j|| sqrt(sum_i P_ij^2 ||dO_i||^2 / D)``;
+    * ``'lse'``: ``|scale| ||q_i|| max_j ||k_j|| / sqrt(D) + max|bias|``, the
+      size of the largest scores.
+
+    The sums of ``P_ij^2`` come from the float64 reference run on doubled
+    scores: ``softmax(2 S)_ij = P_ij^2 exp(2 lse_i - lse2_i)``, where ``lse2``
+    is the log-sum-exp of ``2 S``.  For a result without cancellation the
+    floor is about its own size (measured: ``||floor|| / ||ref||`` has median
+    1.0 for ``out`` and ``dv`` and 1.5 for ``dq`` and ``dk``), so
+    ``atol = rtol * floor`` loosens the tolerance there about twofold, while a
+    cancelled result is held to rounding noise.
+
+    Parameters
+    ----------
+    q, k, v : array-like, shapes (B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)
+        The inputs.
+    dout : array-like, shape (B, H, Nq, D), optional
+        Output gradient; without it only ``'out'`` and ``'lse'`` are returned.
+    scale, causal, window, mask, key_lengths
+        The attention options, as in
+        :func:`pycudaflash.reference.reference_forward`.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``'out'``, ``'lse'`` and, with ``dout``, ``'dq'``, ``'dk'`` and
+        ``'dv'``; each broadcastable to the shape of its quantity.
+    """
+    from .reference import reference_backward, reference_forward
+
+    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
+    D = q64.shape[-1]
+    s = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    root_d = math.sqrt(D)
+    bias = 0.0
+    mask2 = None
+    if mask is not None:
+        m = np.asarray(to_host(mask))
+        if m.dtype == np.bool_:
+            mask2 = m
+        else:
+            m64 = m.astype(np.float64)
+            bias = float(np.max(np.abs(m64), where=np.isfinite(m64), initial=0.0))
+            mask2 = 2.0 * m64  # -inf stays -inf
+    opts = dict(causal=causal, window=window, key_lengths=key_lengths)
+
+    # P^2 = softmax(2S) * c with c_i = exp(lse2_i - 2 lse_i) (0 where no key is seen).
+    _, lse = reference_forward(q64, k64, v64, scale=s, mask=mask, **opts)
+    p2v2, lse2 = reference_forward(q64, k64, v64 * v64, scale=2.0 * s, mask=mask2, **opts)
+    seen = np.isfinite(lse)
+    c = np.where(seen, np.exp(np.where(seen, lse2, 0.0) - 2.0 * np.where(seen, lse, 0.0)), 0.0)
+    p2v2 = c[..., None] * p2v2  # sum_j P_ij^2 v_jd^2
+
+    kmax_row = np.max(_row_norms(k64), axis=-1, initial=0.0)  # (B, H)
+    floors: Dict[str, np.ndarray] = {
+        "out": np.sqrt(p2v2),
+        "lse": abs(s) * _row_norms(q64) * kmax_row[..., None] / root_d + bias,
+    }
+    if dout is None:
+        return floors
+
+    do64 = _as_f64(dout)
+    do_norm2 = np.sum(do64 * do64, axis=-1)  # ||dO_i||^2
+    # sum_i P_ij^2 ||dO_i||^2: the dv of the doubled problem with rows c_i ||dO_i||^2.
+    weights = np.broadcast_to((c * do_norm2)[..., None], do64.shape)
+    _, _, e = reference_backward(weights, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
+    col = np.maximum(e[..., :1], 0.0)  # (B, H, Nk, 1)
+    row = np.sum(p2v2, axis=-1, keepdims=True)  # sum_j P_ij^2 ||v_j||^2, (B, H, Nq, 1)
+    floors["dv"] = np.sqrt(col / D)
+    floors["dq"] = abs(s) * _rms(k64) * np.sqrt(do_norm2)[..., None] * np.sqrt(row / D)
+    floors["dk"] = abs(s) * _rms(q64) * _row_norms(v64)[..., None] * np.sqrt(col / D)
+    return floors
+
+
+# --------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """One randomly drawn attention problem (sizes, options and a data seed).
+
+    Attributes
+    ----------
+    B, H, Nq, Nk, D : int
+        Batch, heads, query length, key length, head dimension.
+    dtype : str
+        Input dtype name: ``'float32'``, ``'float16'`` or ``'bfloat16'``.
+    scale : float or None
+        Score scale (None: the default ``1/sqrt(D)``).
+    causal : bool or str
+        ``False``, ``True``, ``'top_left'`` or ``'bottom_right'``.
+    window : tuple or None
+        ``(left, right)``; each side None, -1 or a non-negative int.
+    key_lengths : tuple of int or None
+        Per batch element, in ``[0, Nk]``.
+    mask_kind : str or None
+        None, ``'bool'`` or ``'float'``.
+    mask_shape : str or None
+        One of :data:`MASK_SHAPES`.
+    mask_density : float
+        Probability that a bool mask entry is True (attend).
+    mask_inf_fraction : float
+        Fraction of ``-inf`` entries in a float mask.
+    mask_empty_rows : bool
+        Whether some mask rows are fully masked (all False / all ``-inf``).
+    layout : str
+        ``'bhnd'`` (contiguous) or ``'bnhd'`` (a (B, N, H, D) array viewed as
+        (B, H, N, D)).
+    seed : int
+        Seed of the random inputs.
+    """
+
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+    dtype: str = "float32"
+    scale: Optional[float] = None
+    causal: Union[bool, str] = False
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    key_lengths: Optional[Tuple[int, ...]] = None
+    mask_kind: Optional[str] = None
+    mask_shape: Optional[str] = None
+    mask_density: float = 0.5
+    mask_inf_fraction: float = 0.0
+    mask_empty_rows: bool = False
+    layout: str = "bhnd"
+    seed: int = 0
+
+    @property
+    def elements(self) -> int:
+        """``B * H * Nq * Nk * D``, the size measure that the strategy caps."""
+        return self.B * self.H * self.Nq * self.Nk * self.D
+
+    def mask_array_shape(self) -> Optional[Tuple[int, ...]]:
+        """The shape of the mask array, or None without a mask."""
+        if self.mask_kind is None:
+            return None
+        B, H, Nq, Nk = self.B, self.H, self.Nq, self.Nk
+        return {
+            "NqNk": (Nq, Nk),
+            "1HNqNk": (1, H, Nq, Nk),
+            "B1NqNk": (B, 1, Nq, Nk),
+            "BHNqNk": (B, H, Nq, Nk),
+            "111Nk": (1, 1, 1, Nk),
+        }[self.mask_shape]
+
+
+def _hyp():
+    """Import Hypothesis lazily so the comparison helpers work without it."""
+    try:
+        from hypothesis import strategies as st
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "pycudaflash.testing's strategies need Hypothesis: pip install hypothesis"
+        ) from exc
+    return st
+
+
+def attention_problems(
+    max_batch: int = 2,
+    max_heads: int = 3,
+    max_seqlen: int = 700,
+    max_head_dim: int = 256,
+    dtypes: Sequence[str] = ("float32",),
+    masks: bool = True,
+    *,
+    max_elements: Optional[int] = None,
+):
+    """Hypothesis strategy of :class:`AttentionProblem`.
+
+    Sizes are drawn with a bias towards off-tile values
+    (:data:`INTERESTING_HEAD_DIMS`, :data:`INTERESTING_SEQLENS`); ``Nq`` and
+    ``Nk`` are equal in about a third of the draws and independent otherwise.
+    Every option is drawn: scale (None, 0, or ``c / sqrt(D)`` with
+    ``0.05 <= |c| <= 2``),
+    causal mode, window sides (None, -1, small, up to the length), key lengths
+    (including 0 and ``Nk``), mask kind and broadcast shape, and layout.
+
+    Parameters
+    ----------
+    max_batch, max_heads, max_seqlen, max_head_dim : int
+        Upper bounds of B, H, Nq and Nk, and D.
+    dtypes : sequence of str
+        Input dtypes to draw from (``'float32'``, ``'float16'``,
+        ``'bfloat16'``; the last needs ``ml_dtypes``).
+    masks : bool
+        Whether dense masks are drawn at all.
+    max_elements : int, optional
+        Cap on ``B * H * Nq * Nk * D``; sizes are drawn one after the other
+        (D, then the lengths, then B and H) each within what the cap leaves.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+    """
+    st = _hyp()
+    if min(max_batch, max_heads, max_seqlen, max_head_dim) < 1:
+        raise ValueError("every maximum must be at least 1")
+    if not dtypes:
+        raise ValueError("dtypes must not be empty")
+    cap = max_elements if max_elements is not None else 1 << 62
+    if cap < 1:
+        raise ValueError("max_elements must be at least 1")
+
+    def biased(draw, interesting: Sequence[int], hi: int) -> int:
+        hi = max(1, hi)
+        picks = [x for x in interesting if x <= hi]
+        if picks:
+            return draw(st.one_of(st.sampled_from(picks), st.integers(1, hi)))
+        return draw(st.integers(1, hi))
+
+    def side(draw, n: int):
+        return draw(st.one_of(
+            st.none(), st.just(-1), st.integers(0, 4), st.integers(0, max(0, n)),
+        ))
+
+    @st.composite
+    def strategy(draw) -> AttentionProblem:
+        D = biased(draw, INTERESTING_HEAD_DIMS, min(max_head_dim, cap))
+        room = max(1, cap // D)
+        if draw(st.sampled_from(["independent", "independent", "equal"])) == "equal":
+            Nq = Nk = biased(draw, INTERESTING_SEQLENS, min(max_seqlen, math.isqrt(room)))
+        else:
+            first = biased(draw, INTERESTING_SEQLENS, min(max_seqlen, room))
+            second = biased(draw, INTERESTING_SEQLENS, min(max_seqlen, room // first))
+            Nq, Nk = (first, second) if draw(st.booleans()) else (second, first)
+        room = max(1, room // (Nq * Nk))
+        B = draw(st.integers(1, max(1, min(max_batch, room))))
+        H = draw(st.integers(1, max(1, min(max_heads, room // B))))
+
+        dtype = draw(st.sampled_from(list(dtypes)))
+        scale = draw(st.one_of(
+            st.none(),
+            st.sampled_from([1.0, 0.5, 2.0, -1.0, 0.0]),
+            st.builds(
+                lambda c, sign: sign * c,
+                st.floats(0.05, 2.0, allow_nan=False, allow_infinity=False),
+                st.sampled_from([1.0, -1.0]),
+            ),
+        ))
+        if scale is not None:
+            scale = float(scale) / math.sqrt(D)
+        causal = draw(st.sampled_from([False, True, "top_left", "bottom_right"]))
+        window = None
+        if draw(st.booleans()):
+            n = max(Nq, Nk)
+            window = (side(draw, n), side(draw, n))
+        key_lengths = None
+        if draw(st.booleans()):
+            key_lengths = tuple(
+                draw(st.one_of(st.just(0), st.just(Nk), st.integers(0, Nk)))
+                for _ in range(B)
+            )
+        mask_kind = mask_shape = None
+        density, inf_fraction, empty_rows = 0.5, 0.0, False
+        if masks and draw(st.booleans()):
+            mask_kind = draw(st.sampled_from(["bool", "float"]))
+            mask_shape = draw(st.sampled_from(list(MASK_SHAPES)))
+            density = draw(st.sampled_from([0.5, 0.9, 0.1, 1.0]))
+            inf_fraction = draw(st.sampled_from([0.1, 0.0, 0.5]))
+            # A '111Nk' mask has one row for every query: emptying it masks
+            # the whole problem, so do that less often.
+            weights = [False, False, False, True] if mask_shape == "111Nk" else [True, False]
+            empty_rows = draw(st.sampled_from(weights))
+        layout = draw(st.sampled_from(["bhnd", "bnhd"]))
+        seed = draw(st.integers(0, 2**32 - 1))
+        return AttentionProblem(
+            B=B, H=H, Nq=Nq, Nk=Nk, D=D, dtype=dtype, scale=scale, causal=causal,
+            window=window, key_lengths=key_lengths, mask_kind=mask_kind,
+            mask_shape=mask_shape, mask_density=density,
+            mask_inf_fraction=inf_fraction, mask_empty_rows=empty_rows,
+            layout=layout, seed=seed,
+        )
+
+    return strategy()
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of ``'float32'``, ``'float16'`` or ``'bfloat16'``.
+
+    ``'bfloat16'`` needs the ``ml_dtypes`` package.
+    """
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise ImportError("bfloat16 inputs need ml_dtypes: pip install ml_dtypes") from exc
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _layout_view(x: np.ndarray, layout: str) -> np.ndarray:
+    """``x`` (B, H, N, D) as a view with the requested memory layout."""
+    if layout == "bhnd":
+        return np.ascontiguousarray(x)
+    if layout == "bnhd":
+        base = np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # (B, N, H, D) memory
+        return base.transpose(0, 2, 1, 3)
+    raise ValueError(f"layout must be 'bhnd' or 'bnhd', got {layout!r}")
+
+
+def _mask(problem: AttentionProblem, rng: np.random.Generator) -> Optional[np.ndarray]:
+    shape = problem.mask_array_shape()
+    if shape is None:
+        return None
+    rows = shape[-2]
+    if problem.mask_kind == "bool":
+        m = rng.random(shape) < problem.mask_density
+    else:
+        m = rng.standard_normal(shape).astype(np.float32)
+        m[rng.random(shape) < problem.mask_inf_fraction] = -np.inf
+    if problem.mask_empty_rows:
+        fill = False if problem.mask_kind == "bool" else -np.inf
+        lead = m.reshape(-1, rows, shape[-1])
+        n_empty = 1 + rows // 16
+        for sl in lead:
+            if rng.random() < 0.7:
+                picks = rng.choice(rows, size=min(rows, n_empty), replace=False)
+                sl[picks, :] = fill
+    return m
+
+
+def make_inputs(
+    problem: AttentionProblem, rng: Optional[np.random.Generator] = None
+) -> Dict[str, Optional[np.ndarray]]:
+    """Random host inputs of a problem.
+
+    Parameters
+    ----------
+    problem : AttentionProblem
+    rng : numpy.random.Generator, optional
+        Default: ``numpy.random.default_rng(problem.seed)``.
+
+    Returns
+    -------
+    dict
+        ``'q'`` (B, H, Nq, D), ``'k'``, ``'v'`` (B, H, Nk, D) and ``'dout'``
+        (B, H, Nq, D): standard-normal values in ``problem.dtype``, each a view
+        in ``problem.layout`` (for ``'bnhd'``, ``x.transpose(0, 2, 1, 3)`` is the
+        contiguous (B, N, H, D) array); ``'mask'``: None, bool (True = attend)
+        or float32 (``-inf`` allowed) of ``problem.mask_array_shape()``;
+        ``'key_lengths'``: None or int32 of shape (B,).
+    """
+    if rng is None:
+        rng = np.random.default_rng(problem.seed)
+    dt = numpy_dtype(problem.dtype)
+    B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
+
+    def normal(n: int) -> np.ndarray:
+        x = rng.standard_normal((B, H, n, D), dtype=np.float32)
+        return _layout_view(x.astype(dt), problem.layout)
+
+    q, k, v, dout = normal(Nq), normal(Nk), normal(Nk), normal(Nq)
+    kl = None
+    if problem.key_lengths is not None:
+        kl = np.asarray(problem.key_lengths, dtype=np.int32).reshape(B)
+    return {"q": q, "k": k, "v": v, "dout": dout, "mask": _mask(problem, rng), "key_lengths": kl}
+
+
+def attention_kwargs(problem: AttentionProblem, inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments shared by the public API and the reference.
+
+    Returns
+    -------
+    dict
+        ``scale``, ``causal``, ``window``, ``mask`` and ``key_lengths``, with
+        the mask and key lengths taken from ``inputs``.
+    """
+    return {
+        "scale": problem.scale,
+        "causal": problem.causal,
+        "window": problem.window,
+        "mask": inputs.get("mask"),
+        "key_lengths": inputs.get("key_lengths"),
+    }
+
+
+# --------------------------------------------------------------------------
+# Hypothesis profile selection
+# --------------------------------------------------------------------------
+
+#: Environment variable that names the Hypothesis profile of the test suite.
+PROFILE_ENV = "PYCUDAFLASH_HYPOTHESIS_PROFILE"
+
+
+def selected_profile() -> str:
+    """Name of the Hypothesis profile the test suite runs under.
+
+    ``$PYCUDAFLASH_HYPOTHESIS_PROFILE`` when set, else ``'gpu'`` when a CUDA
+    device is usable and ``'ci'`` otherwise.
+    """
+    name = os.environ.get(PROFILE_ENV, "").strip()
+    if name:
+        return name
+    try:
+        from ._backends import cuda_status
+
+        usable = cuda_status()[0]
+    except Exception:
+        usable = False
+    return "gpu" if usable else "ci"

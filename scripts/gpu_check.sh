@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Full GPU check in one go: kernel cache warm-up, the whole test suite on the
+# CUDA backend, compute-sanitizer (memcheck, racecheck) on small runs of every
+# mask mode, and the float32 benchmark against torch SDPA.
+# Usage: scripts/gpu_check.sh [OUTDIR]   (logs, JSON and plot land in OUTDIR)
+set -uo pipefail
+out=${1:-gpu-check-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+
+python3 -m pycudaflash info 2>&1 | tee "$out/info.log"
+
+t0=$(date +%s)
+python3 -c "
+import time, pycudaflash.compiler as c, pycudaflash.cuda_backend as cb
+cb.activate(); t=time.perf_counter(); r=c.warm_cache(jobs=16)
+print(f'kernel cache: {len(r)} variants ready in {time.perf_counter()-t:.1f} s')
+cb.deactivate()" 2>&1 | grep -v -i warning | tee "$out/warm.log"
+
+python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest.log" || status=1
+echo "pytest took $(( $(date +%s) - t0 )) s" | tee -a "$out/pytest.log"
+
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
+    | grep -v -i "warning" | tee "$out/sanitizer-$tool.log" || status=1
+done
+
+python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \
+  --json "$out/bench-float32.json" --plot "$out/bench-float32.png" 2>&1 | tee "$out/bench-float32.log" || status=1
+exit $status

@@ -1,0 +1,87 @@
+"""Shared test configuration: Hypothesis profiles and backend fixtures.
+
+Profiles
+--------
+``ci``
+    Bounded: a few dozen examples per property, no deadline.  The default
+    where no CUDA device is usable.
+``gpu``
+    300 examples per property, no deadline.  The default where CUDA is usable.
+
+Set ``PYCUDAFLASH_HYPOTHESIS_PROFILE`` to pick one explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from pycudaflash.testing import selected_profile
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
+    print_blob=True,
+)
+settings.register_profile(
+    "gpu",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=_SLOW_OK,
+    print_blob=True,
+)
+
+PROFILE = selected_profile()
+settings.load_profile(PROFILE)
+
+
+def _cuda_status() -> tuple:
+    try:
+        from pycudaflash import cuda_status
+    except Exception as exc:  # the package itself failed to import
+        return False, f"pycudaflash is not importable ({type(exc).__name__}: {exc})"
+    return cuda_status()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    usable, reason = _cuda_status()
+    return f"pycudaflash: hypothesis profile {PROFILE!r}; CUDA {'usable' if usable else 'unusable'}: {reason}"
+
+
+_CUDA_ACTIVE = False
+
+
+def _require_cuda() -> None:
+    """Skip the calling test unless CUDA is usable; activate the context once."""
+    global _CUDA_ACTIVE
+    usable, reason = _cuda_status()
+    if not usable:
+        pytest.skip(f"CUDA backend unavailable: {reason}")
+    if not _CUDA_ACTIVE:
+        from pycudaflash import cuda_backend
+
+        cuda_backend.activate()
+        _CUDA_ACTIVE = True
+
+
+@pytest.fixture(scope="session", params=["numpy", "cuda"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every backend: ``'numpy'`` always, ``'cuda'`` skipped with the reason
+    when PyCUDA or a device is missing.  Session-scoped so that Hypothesis
+    tests may use it."""
+    if request.param == "cuda":
+        _require_cuda()
+    yield request.param
+
+
+@pytest.fixture(scope="session")
+def cuda() -> Iterator[None]:
+    """For GPU-only tests: skips with the reason when CUDA is unusable."""
+    _require_cuda()
+    yield None

@@ -1,0 +1,374 @@
+"""Property tests of every backend against the float64 reference.
+
+Each drawn problem (sizes, masks, layouts: :func:`pycudaflash.testing.
+attention_problems`) runs through the public API into output buffers
+poisoned with NaN, so an element that no kernel writes is caught.  Forward
+and backward are separate properties, each with its own example count (the
+Hypothesis profile: ``ci`` or ``gpu``, see ``conftest.py``).
+
+The CUDA-only tests at the end (determinism, concurrent streams, foreign
+array types) skip with the reason when no GPU or PyCUDA is present.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from pycudaflash import flash_attn_backward, flash_attn_forward
+from pycudaflash.reference import reference_backward, reference_forward
+from pycudaflash.testing import (
+    AttentionProblem,
+    CheckResult,
+    attention_kwargs,
+    attention_problems,
+    check,
+    make_inputs,
+    noise_floors,
+    selected_profile,
+    to_host,
+)
+
+# Relative-norm bounds per (backend, input dtype), one number per compared
+# quantity, set from measurement: the worst error over 1000 (numpy) and 300
+# (CUDA, H200) examples with the noise floors of ``check`` was
+#   numpy float32: out 4.7e-7, lse 2.3e-7, dq 7.4e-7, dk 6.9e-7, dv 5.4e-7
+#   cuda  float32: out 3.3e-6, lse 1.2e-6, dq 4.0e-6, dk 4.1e-6, dv 3.6e-6
+# and each bound is that worst case with a 1.5x margin.  The CUDA kernels run
+# the float32 products as split TF32 on the tensor cores, whose truncating
+# accumulation makes the error grow with the head dim (1e-6 at D = 64 to 3e-6
+# at D = 256 for random inputs).
+BOUNDS: Dict[Tuple[str, str], Dict[str, float]] = {
+    ("numpy", "float32"): {"out": 7e-7, "lse": 3.5e-7, "dq": 1.1e-6, "dk": 1.1e-6, "dv": 8e-7},
+    ("cuda", "float32"): {"out": 5e-6, "lse": 1.8e-6, "dq": 6e-6, "dk": 6e-6, "dv": 5.4e-6},
+}
+DTYPES = tuple(sorted({dtype for _, dtype in BOUNDS}))
+
+# Cap on B * H * Nq * Nk * D per profile, which bounds the cost of every
+# example (the float64 reference is dense); None: only the per-dimension
+# maxima (B <= 2, H <= 3, N <= 700, D <= 256).
+MAX_ELEMENTS: Dict[str, Optional[int]] = {"ci": 10_000_000, "gpu": None}
+
+PROBLEMS = attention_problems(
+    dtypes=DTYPES,
+    max_elements=MAX_ELEMENTS.get(selected_profile(), MAX_ELEMENTS["ci"]),
+)
+
+
+# --------------------------------------------------------------------------
+# moving arrays to a backend
+# --------------------------------------------------------------------------
+
+
+def _to_device(x: Optional[np.ndarray]) -> Any:
+    """Upload a host array as a pycuda GPUArray with the same (B, H, N, D) layout.
+
+    A C-contiguous array is uploaded as is.  A 'bnhd' view (the transpose of
+    a contiguous (B, N, H, D) array) is uploaded as its (B, N, H, D) base and
+    viewed as (B, H, N, D) through strides, without a copy on the device.
+    """
+    if x is None:
+        return None
+    import pycuda.gpuarray as gpuarray
+
+    if x.flags.c_contiguous:
+        return gpuarray.to_gpu(x)
+    base_host = x.transpose(0, 2, 1, 3)
+    assert base_host.flags.c_contiguous, "only 'bhnd' and 'bnhd' layouts are uploaded"
+    base = gpuarray.to_gpu(base_host)
+    B, N, H, D = base_host.shape
+    it = x.dtype.itemsize
+    return gpuarray.GPUArray(
+        (B, H, N, D), x.dtype, gpudata=base.gpudata,
+        strides=(N * H * D * it, D * it, H * D * it, it), base=base,
+    )
+
+
+def _put(x: Optional[np.ndarray], backend: str) -> Any:
+    return _to_device(x) if backend == "cuda" and x is not None else x
+
+
+def _poisoned(shape: Tuple[int, ...], dtype: Any, backend: str) -> Any:
+    """A contiguous output buffer filled with NaN."""
+    host = np.full(shape, np.nan, dtype=dtype)
+    return _to_device(host) if backend == "cuda" else host
+
+
+def _device_kwargs(problem: AttentionProblem, x: Dict[str, Any], backend: str) -> Dict[str, Any]:
+    """Attention keywords with the mask on the backend's side (key lengths stay on the host)."""
+    kw = attention_kwargs(problem, x)
+    kw["mask"] = _put(kw["mask"], backend)
+    return kw
+
+
+# --------------------------------------------------------------------------
+# running and checking
+# --------------------------------------------------------------------------
+
+
+def _assert_all(results: List[CheckResult], problem: AttentionProblem, backend: str) -> None:
+    failed = [r for r in results if not r.ok]
+    if failed:
+        lines = "\n".join(str(r) for r in results)
+        raise AssertionError(f"backend {backend!r}, {problem}\n{lines}")
+
+
+def _run_forward(
+    problem: AttentionProblem, x: Dict[str, Any], backend: str,
+) -> Tuple[Any, Any, Dict[str, Any]]:
+    """Forward pass into poisoned buffers; returns the buffers and the device inputs."""
+    B, H, Nq, D = problem.B, problem.H, problem.Nq, problem.D
+    dev = {name: _put(x[name], backend) for name in ("q", "k", "v", "dout")}
+    kw = _device_kwargs(problem, x, backend)
+    out = _poisoned((B, H, Nq, D), x["q"].dtype, backend)
+    lse = _poisoned((B, H, Nq), np.float32, backend)
+    ret_out, ret_lse = flash_attn_forward(
+        dev["q"], dev["k"], dev["v"], **kw, out=out, lse=lse, backend=backend,
+    )
+    assert ret_out is out and ret_lse is lse, "the out=/lse= buffers must be returned"
+    return out, lse, dev
+
+
+def _forward_checks(
+    problem: AttentionProblem, out: np.ndarray, lse: np.ndarray,
+    ref_out: np.ndarray, ref_lse: np.ndarray, floors: Dict[str, np.ndarray], backend: str,
+) -> List[CheckResult]:
+    bounds = BOUNDS[(backend, problem.dtype)]
+    sees_nothing = ~np.isfinite(ref_lse)  # rows that see no key: lse = -inf, out = 0
+    return [
+        check("out", out, ref_out, rtol_norm=bounds["out"], atol=bounds["out"] * floors["out"],
+              exact=sees_nothing[..., None]),
+        check("lse", lse, ref_lse, rtol_norm=bounds["lse"], atol=bounds["lse"] * floors["lse"]),
+    ]
+
+
+@given(problem=PROBLEMS)
+def test_forward_matches_reference(backend: str, problem: AttentionProblem) -> None:
+    x = make_inputs(problem)
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **attention_kwargs(problem, x))
+    out, lse, _ = _run_forward(problem, x, backend)
+    floors = noise_floors(x["q"], x["k"], x["v"], **attention_kwargs(problem, x))
+    results = _forward_checks(problem, to_host(out), to_host(lse), ref_out, ref_lse, floors, backend)
+    _assert_all(results, problem, backend)
+
+
+@given(problem=PROBLEMS)
+def test_backward_matches_reference(backend: str, problem: AttentionProblem) -> None:
+    x = make_inputs(problem)
+    kw_host = attention_kwargs(problem, x)
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
+    ref_dq, ref_dk, ref_dv = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw_host)
+
+    out, lse, dev = _run_forward(problem, x, backend)
+    B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
+    dtype = x["q"].dtype
+    dq = _poisoned((B, H, Nq, D), dtype, backend)
+    dk = _poisoned((B, H, Nk, D), dtype, backend)
+    dv = _poisoned((B, H, Nk, D), dtype, backend)
+    ret = flash_attn_backward(
+        dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
+        **_device_kwargs(problem, x, backend), dq=dq, dk=dk, dv=dv, backend=backend,
+    )
+    assert ret[0] is dq and ret[1] is dk and ret[2] is dv, "the dq=/dk=/dv= buffers must be returned"
+
+    bounds = BOUNDS[(backend, problem.dtype)]
+    floors = noise_floors(x["q"], x["k"], x["v"], x["dout"], **kw_host)
+    row_empty = ~np.isfinite(ref_lse)[..., None]  # rows that see no key: dq = 0
+    # Keys that no row sees: dk = dv = 0 exactly (with random dout, dv_j is 0
+    # only when the whole column of P is).
+    key_unseen = np.all(ref_dv == 0.0, axis=-1, keepdims=True)
+    results = _forward_checks(problem, to_host(out), to_host(lse), ref_out, ref_lse, floors, backend)
+    results += [
+        check("dq", to_host(dq), ref_dq, rtol_norm=bounds["dq"],
+              atol=bounds["dq"] * floors["dq"], exact=row_empty),
+        check("dk", to_host(dk), ref_dk, rtol_norm=bounds["dk"],
+              atol=bounds["dk"] * floors["dk"], exact=key_unseen),
+        check("dv", to_host(dv), ref_dv, rtol_norm=bounds["dv"],
+              atol=bounds["dv"] * floors["dv"], exact=key_unseen),
+    ]
+    _assert_all(results, problem, backend)
+
+
+# --------------------------------------------------------------------------
+# CUDA only
+# --------------------------------------------------------------------------
+
+
+def _bytes(*arrays: Any) -> Tuple[bytes, ...]:
+    return tuple(np.ascontiguousarray(to_host(a)).tobytes() for a in arrays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bit_identical(cuda: None, causal: bool) -> None:
+    problem = AttentionProblem(B=2, H=3, Nq=700, Nk=700, D=64, causal=causal, seed=11)
+    x = make_inputs(problem)
+    out, lse, dev = _run_forward(problem, x, "cuda")
+    runs = []
+    for _ in range(3):
+        grads = flash_attn_backward(
+            dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
+            causal=causal, deterministic=True, backend="cuda",
+        )
+        runs.append(_bytes(*grads))
+    assert runs[0] == runs[1], "deterministic backward differs between runs 1 and 2"
+    assert runs[0] == runs[2], "deterministic backward differs between runs 1 and 3"
+
+
+_STREAM_PROBLEMS = (
+    AttentionProblem(B=2, H=3, Nq=700, Nk=700, D=64, causal=True, seed=21),
+    AttentionProblem(
+        B=2, H=2, Nq=257, Nk=513, D=128, causal="bottom_right", window=(200, None),
+        key_lengths=(400, 513), mask_kind="float", mask_shape="1HNqNk",
+        mask_inf_fraction=0.1, mask_empty_rows=True, layout="bnhd", seed=22,
+    ),
+)
+
+
+def _launch(problem: AttentionProblem, x: Dict[str, Any], stream: Any) -> Tuple[Any, ...]:
+    """Forward then deterministic backward of one problem on ``stream``, no sync."""
+    B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
+    dev = {name: _to_device(x[name]) for name in ("q", "k", "v", "dout")}
+    kw = _device_kwargs(problem, x, "cuda")
+    bufs = (
+        _poisoned((B, H, Nq, D), np.float32, "cuda"),
+        _poisoned((B, H, Nq), np.float32, "cuda"),
+        _poisoned((B, H, Nq, D), np.float32, "cuda"),
+        _poisoned((B, H, Nk, D), np.float32, "cuda"),
+        _poisoned((B, H, Nk, D), np.float32, "cuda"),
+    )
+    out, lse, dq, dk, dv = bufs
+    flash_attn_forward(dev["q"], dev["k"], dev["v"], **kw, stream=stream, out=out, lse=lse)
+    flash_attn_backward(
+        dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, **kw,
+        deterministic=True, stream=stream, dq=dq, dk=dk, dv=dv,
+    )
+    return bufs + tuple(dev.values())  # keep the inputs alive until synchronised
+
+
+@pytest.mark.gpu
+def test_two_streams_match_single_runs(cuda: None) -> None:
+    import pycuda.driver as drv
+
+    inputs = [make_inputs(p) for p in _STREAM_PROBLEMS]
+    alone = []
+    for p, x in zip(_STREAM_PROBLEMS, inputs):
+        bufs = _launch(p, x, None)
+        drv.Context.synchronize()
+        alone.append(_bytes(*bufs[:5]))
+
+    streams = [drv.Stream(), drv.Stream()]
+    launched = [_launch(p, x, s) for p, x, s in zip(_STREAM_PROBLEMS, inputs, streams)]
+    for s in streams:
+        s.synchronize()
+    together = [_bytes(*bufs[:5]) for bufs in launched]
+    for i, (a, t) in enumerate(zip(alone, together)):
+        for name, ba, bt in zip(("out", "lse", "dq", "dk", "dv"), a, t):
+            assert ba == bt, f"problem {i}: {name} differs when run concurrently on two streams"
+
+
+@pytest.mark.gpu
+def test_numpy_inputs_run_on_gpu_by_default(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pycudaflash import cpu
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the NumPy backend ran although a GPU is usable")
+
+    monkeypatch.setattr(cpu, "run_forward", refuse)
+    monkeypatch.setattr(cpu, "run_backward", refuse)
+    problem = AttentionProblem(
+        B=1, H=2, Nq=129, Nk=65, D=64, causal="bottom_right", key_lengths=(50,),
+        layout="bnhd", seed=31,
+    )
+    x = make_inputs(problem)
+    kw = attention_kwargs(problem, x)
+    out, lse = flash_attn_forward(x["q"], x["k"], x["v"], **kw)
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    dq, dk, dv = flash_attn_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, **kw)
+    assert all(isinstance(a, np.ndarray) for a in (dq, dk, dv))
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw)
+    ref_dq, ref_dk, ref_dv = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw)
+    b = BOUNDS[("cuda", "float32")]
+    _assert_all([
+        check("out", out, ref_out, rtol_norm=b["out"]),
+        check("lse", lse, ref_lse, rtol_norm=b["lse"]),
+        check("dq", dq, ref_dq, rtol_norm=b["dq"]),
+        check("dk", dk, ref_dk, rtol_norm=b["dk"]),
+        check("dv", dv, ref_dv, rtol_norm=b["dv"]),
+    ], problem, "default")
+
+
+_FOREIGN_PROBLEM = AttentionProblem(
+    B=2, H=3, Nq=97, Nk=130, D=64, causal="bottom_right", layout="bnhd", seed=41,
+)
+
+
+def _foreign_roundtrip(to_dev: Any, full_nan: Any, synchronize: Any) -> None:
+    """Run forward and backward on foreign device arrays whose (B, H, N, D)
+    operands are ``transpose(1, 2)`` views of (B, N, H, D) storage, outputs
+    included, and compare with the reference.
+
+    ``to_dev(a)`` uploads a contiguous host array; ``full_nan(shape)`` makes a
+    NaN-filled float32 device array.  Outputs written through their strides
+    into the (B, N, H, D) storage show that no copy was made.
+    """
+    p = _FOREIGN_PROBLEM
+    x = make_inputs(p)
+
+    def bnhd(a: np.ndarray) -> Any:
+        return to_dev(np.ascontiguousarray(a.transpose(0, 2, 1, 3))).swapaxes(1, 2)
+
+    q, k, v, dout = (bnhd(x[n]) for n in ("q", "k", "v", "dout"))
+    out_store = full_nan((p.B, p.Nq, p.H, p.D))
+    dq_store = full_nan((p.B, p.Nq, p.H, p.D))
+    dk_store = full_nan((p.B, p.Nk, p.H, p.D))
+    dv_store = full_nan((p.B, p.Nk, p.H, p.D))
+    lse = full_nan((p.B, p.H, p.Nq))
+    out = out_store.swapaxes(1, 2)
+    dq, dk, dv = (s.swapaxes(1, 2) for s in (dq_store, dk_store, dv_store))
+
+    kw = attention_kwargs(p, x)
+    r = flash_attn_forward(q, k, v, **kw, out=out, lse=lse)
+    assert r[0] is out and r[1] is lse
+    r = flash_attn_backward(dout, q, k, v, out, lse, **kw, dq=dq, dk=dk, dv=dv)
+    assert r[0] is dq and r[1] is dk and r[2] is dv
+    synchronize()
+
+    def back(store: Any) -> np.ndarray:
+        return to_host(store).transpose(0, 2, 1, 3)
+
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw)
+    ref_dq, ref_dk, ref_dv = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw)
+    b = BOUNDS[("cuda", "float32")]
+    _assert_all([
+        check("out", back(out_store), ref_out, rtol_norm=b["out"]),
+        check("lse", to_host(lse), ref_lse, rtol_norm=b["lse"]),
+        check("dq", back(dq_store), ref_dq, rtol_norm=b["dq"]),
+        check("dk", back(dk_store), ref_dk, rtol_norm=b["dk"]),
+        check("dv", back(dv_store), ref_dv, rtol_norm=b["dv"]),
+    ], p, "cuda")
+
+
+@pytest.mark.gpu
+def test_torch_tensors_and_transposed_views(cuda: None) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    _foreign_roundtrip(
+        lambda a: torch.from_numpy(a).cuda(),
+        lambda shape: torch.full(shape, float("nan"), dtype=torch.float32, device="cuda"),
+        torch.cuda.synchronize,
+    )
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_and_transposed_views(cuda: None) -> None:
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    _foreign_roundtrip(
+        cupy.asarray,
+        lambda shape: cupy.full(shape, np.nan, dtype=cupy.float32),
+        lambda: cupy.cuda.Device().synchronize(),
+    )
