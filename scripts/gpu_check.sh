@@ -18,6 +18,8 @@ cb.activate(); t=time.perf_counter(); r=c.warm_cache(jobs=16)
 print(f'kernel cache: {len(r)} variants ready in {time.perf_counter()-t:.1f} s')
 cb.deactivate()" 2>&1 | grep -v -i warning | tee "$out/warm.log"
 
+python3 -m pycudaflash check 2>&1 | grep -v -i warning | tee "$out/check.log" || status=1
+
 python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest.log" || status=1
 echo "pytest took $(( $(date +%s) - t0 )) s" | tee -a "$out/pytest.log"
 
