@@ -104,11 +104,17 @@ class _Workspace:
         self.alloc = None
         self.nbytes = 0
 
-    def get(self, nbytes: int) -> int:
+    def get(self, nbytes: int, stream) -> int:
         import pycuda.driver as drv
 
         if nbytes > self.nbytes:
-            self.alloc = None  # freeing synchronises with pending work that used it
+            if self.alloc is not None:
+                # Earlier work on this stream may still read the old buffer.
+                if stream is not None:
+                    stream.synchronize()
+                else:
+                    drv.Context.synchronize()
+                self.alloc.free()
             self.alloc = drv.mem_alloc(max(nbytes, 256))
             self.nbytes = nbytes
         return int(self.alloc)
@@ -274,7 +280,7 @@ def run_forward(prob: Problem, stream=None):
     lse = _output(prob.lse, (B, H, Nq), stream, prob.on_device)
     mask = _mask_input(prob.mask, stream)
     ws = _workspace(stream)
-    kl_ptr = _key_lengths(prob, stream, ws.get(4 * B)) if prob.key_lengths is not None else 0
+    kl_ptr = _key_lengths(prob, stream, ws.get(4 * B, stream)) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
     vec = _vec_ok((q, k, v), D)
     tiles = compiler.tiles(hd)
@@ -335,7 +341,7 @@ def run_backward(prob: Problem, stream=None):
     off_kl = off_l2 + _align(4 * rows)
     off_dq = off_kl + _align(4 * B)
     total = off_dq + (0 if prob.deterministic else 4 * rows * D)
-    base = _workspace(stream).get(total)
+    base = _workspace(stream).get(total, stream)
     d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
     kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
