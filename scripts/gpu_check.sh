@@ -3,6 +3,8 @@
 # CUDA backend, compute-sanitizer (memcheck, racecheck) on small runs of every
 # mask mode, and the float32 benchmark against torch SDPA.
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs, JSON and plot land in OUTDIR)
+# PYTEST_ARGS adds pytest options; PYTEST_TIMEOUT, SANITIZER_TIMEOUT and
+# BENCH_TIMEOUT (seconds) bound each stage.
 set -uo pipefail
 out=${1:-gpu-check-out}
 mkdir -p "$out"
@@ -20,14 +22,14 @@ cb.deactivate()" 2>&1 | grep -v -i warning | tee "$out/warm.log"
 
 python3 -m pycudaflash check 2>&1 | grep -v -i warning | tee "$out/check.log" || status=1
 
-python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest.log" || status=1
+timeout ${PYTEST_TIMEOUT:-3600} python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest.log" || status=1
 echo "pytest took $(( $(date +%s) - t0 )) s" | tee -a "$out/pytest.log"
 
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
+  timeout ${SANITIZER_TIMEOUT:-3600} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
     | grep -v -i "warning" | tee "$out/sanitizer-$tool.log" || status=1
 done
 
-python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \
+timeout ${BENCH_TIMEOUT:-3600} python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \
   --json "$out/bench-float32.json" --plot "$out/bench-float32.png" 2>&1 | tee "$out/bench-float32.log" || status=1
 exit $status
