@@ -13,6 +13,7 @@ of the item size is rejected.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -20,6 +21,19 @@ import numpy as np
 from ._problem import Operand
 
 __all__ = ["as_operand", "broadcast_operand", "describe_kind", "is_device_array", "is_read_only"]
+
+
+def _detached_view(obj: Any) -> Any:
+    """``obj.detach()`` when that view exposes ``__cuda_array_interface__`` (torch
+    tensors that require grad refuse to export themselves), else None."""
+    detach = getattr(obj, "detach", None)
+    if not callable(detach):
+        return None
+    try:
+        view = detach()
+    except Exception:
+        return None
+    return view if view is not obj and is_device_array(view) else None
 
 
 def is_device_array(obj: Any) -> bool:
@@ -70,6 +84,10 @@ def as_operand(obj: Any, name: str) -> Operand:
         return _host_operand(obj, name)
     if is_device_array(obj):
         return _device_operand(obj, name)
+    view = _detached_view(obj)
+    if view is not None:
+        # A tensor that requires grad exports nothing; its detached view is the same memory.
+        return replace(_device_operand(view, name), obj=obj)
     raise TypeError(
         f"{name} must be a numpy.ndarray or an object exposing __cuda_array_interface__ "
         f"(pycuda GPUArray, torch or cupy CUDA tensor), got {type(obj).__name__}"

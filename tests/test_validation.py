@@ -943,3 +943,27 @@ def test_public_backward_raises_validation_errors(kind: str, case: int) -> None:
     pos = [args.pop(n) for n in ("dout", "q", "k", "v", "out", "lse")]
     with pytest.raises(exc, match=re.escape(match)):
         pycudaflash.flash_attn_backward(*pos, **args)
+
+
+class _GradTensor:
+    """Stands for a tensor that requires grad: it refuses to export itself,
+    but its detached view exposes the same memory."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    @property
+    def __cuda_array_interface__(self):
+        raise RuntimeError("Can't export tensors that require gradient, use tensor.detach()")
+
+    def detach(self):
+        return self._inner
+
+
+def test_tensor_requiring_grad_is_read_through_its_detached_view():
+    from pycudaflash._arrays import as_operand
+
+    inner = FakeDeviceArray((2, 3, 5, 8), np.float32)
+    op = as_operand(_GradTensor(inner), "q")
+    assert op.kind == "device" and op.ptr == inner.__cuda_array_interface__["data"][0]
+    assert isinstance(op.obj, _GradTensor)
