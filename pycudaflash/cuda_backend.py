@@ -81,12 +81,13 @@ def deactivate() -> None:
 def _release() -> None:
     import pycuda.driver as drv
 
-    for ctx in reversed(getattr(_state, "pushed", [])):
+    # Pop as many contexts as were pushed here, whatever made itself current
+    # since (a runtime-API library may have re-bound the same primary context).
+    for _ in getattr(_state, "pushed", []):
         try:
-            if _handle(drv.Context.get_current()) == _handle(ctx):
-                drv.Context.pop()
+            drv.Context.pop()
         except Exception:
-            pass
+            break
     _state.pushed = []
 
 

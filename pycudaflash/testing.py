@@ -405,8 +405,11 @@ def noise_floors(
 
     * ``'out'``: ``sqrt(sum_j P_ij^2 v_jd^2)``;
     * ``'dv'``: ``sqrt(sum_i P_ij^2 ||dO_i||^2 / D)``;
-    * ``'dq'``: ``|scale| rms(k) ||dO_i|| sqrt(sum_j P_ij^2 ||v_j||^2 / D)``;
-    * ``'dk'``: ``|scale| rms(q) ||v_j|| sqrt(sum_i P_ij^2 ||dO_i||^2 / D)``;
+    * ``'dq'``: ``|scale| rms(k) (||dO_i|| sqrt(sum_j P_ij^2 ||v_j||^2 / D)
+      + sqrt(sum_j P_ij^2 D_i^2))``;
+    * ``'dk'``: ``|scale| rms(q) (||v_j|| sqrt(sum_i P_ij^2 ||dO_i||^2 / D)
+      + sqrt(sum_i P_ij^2 D_i^2))``, the second terms for the ``P_ij D_i``
+      part of ``dS_ij``, with ``D_i^2 ~ ||dO_i||^2 ||out_i||^2 / D``;
     * ``'lse'``: ``|scale| ||q_i|| max_j ||k_j|| / sqrt(D) + max|bias|``, the
       size of the largest scores.
 
@@ -453,7 +456,7 @@ def noise_floors(
     opts = dict(causal=causal, window=window, key_lengths=key_lengths)
 
     # P^2 = softmax(2S) * c with c_i = exp(lse2_i - 2 lse_i) (0 where no key is seen).
-    _, lse = reference_forward(q64, k64, v64, scale=s, mask=mask, **opts)
+    out64, lse = reference_forward(q64, k64, v64, scale=s, mask=mask, **opts)
     p2v2, lse2 = reference_forward(q64, k64, v64 * v64, scale=2.0 * s, mask=mask2, **opts)
     seen = np.isfinite(lse)
     c = np.where(seen, np.exp(np.where(seen, lse2, 0.0) - 2.0 * np.where(seen, lse, 0.0)), 0.0)
@@ -474,9 +477,17 @@ def noise_floors(
     _, _, e = reference_backward(weights, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
     col = np.maximum(e[..., :1], 0.0)  # (B, H, Nk, 1)
     row = np.sum(p2v2, axis=-1, keepdims=True)  # sum_j P_ij^2 ||v_j||^2, (B, H, Nq, 1)
+    # dS_ij = P_ij (dP_ij - D_i): the D_i terms are as large as the dP_ij terms
+    # (they cancel them exactly in a row that sees one key), with the typical
+    # size D_i^2 ~ ||dO_i||^2 ||out_i||^2 / D; add their sums too.
+    d2 = do_norm2 * np.sum(out64 * out64, axis=-1) / D  # (B, H, Nq)
+    weights = np.broadcast_to((c * d2)[..., None], do64.shape)
+    _, _, e = reference_backward(weights, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
+    col_d = np.maximum(e[..., :1], 0.0)  # sum_i P_ij^2 D_i^2
+    row_d = (c * d2)[..., None]  # sum_j P_ij^2 D_i^2 (sum_j P_ij^2 = c_i)
     floors["dv"] = np.sqrt(col / D)
-    floors["dq"] = abs(s) * _rms(k64) * np.sqrt(do_norm2)[..., None] * np.sqrt(row / D)
-    floors["dk"] = abs(s) * _rms(q64) * _row_norms(v64)[..., None] * np.sqrt(col / D)
+    floors["dq"] = abs(s) * _rms(k64) * (np.sqrt(do_norm2)[..., None] * np.sqrt(row / D) + np.sqrt(row_d))
+    floors["dk"] = abs(s) * _rms(q64) * (_row_norms(v64)[..., None] * np.sqrt(col / D) + np.sqrt(col_d))
     return floors
 
 

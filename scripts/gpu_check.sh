@@ -27,7 +27,7 @@ echo "pytest took $(( $(date +%s) - t0 )) s" | tee -a "$out/pytest.log"
 
 for tool in memcheck racecheck; do
   timeout ${SANITIZER_TIMEOUT:-3600} compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_cases.py 2>&1 \
-    | grep -v -i "warning" | tee "$out/sanitizer-$tool.log" || status=1
+    | grep -v -E "Warning:|warn\(" | tee "$out/sanitizer-$tool.log" || status=1
 done
 
 timeout ${BENCH_TIMEOUT:-3600} python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \

@@ -212,7 +212,19 @@ def test_cpu_matches_reference_float32(case: Case) -> None:
     bounds = dict(out=TOL_OUT, lse=TOL_LSE, dq=TOL_DQ, dk=TOL_DK, dv=TOL_DV)
     for name, bound in bounds.items():
         bound *= case.tol_factor
+        if name in ("dq", "dk") and not np.any(ref[name]):
+            # Every row sees a single key (e.g. Nk = 1): the softmax gradient
+            # cancels exactly, so only float32 rounding noise may remain; hold
+            # it to the size of the cancelling terms, as test_cpu_single_key_window.
+            _assert_rounding_noise(got[name], inp, name)
+            continue
         assert err[name] <= bound, f"{name}: {err[name]:.3g} > {bound:.3g} ({err})"
+
+
+def _assert_rounding_noise(x: np.ndarray, inp: dict, name: str) -> None:
+    D = inp["q"].shape[-1]
+    size = np.linalg.norm(inp["dout"]) * np.linalg.norm(inp["v"]) / math.sqrt(D)
+    assert np.linalg.norm(x) <= 1e-6 * size * np.linalg.norm(inp["k"]), name
 
 
 @pytest.mark.parametrize("name", ["causal_br_113x97", "everything", "key_lengths"])
@@ -262,9 +274,8 @@ def test_cpu_single_key_window() -> None:
     assert np.array_equal(got["out"], inp["v"][:, :, off:, :])
     assert np.array_equal(got["dv"][:, :, off:, :], inp["dout"])
     assert np.all(got["dv"][:, :, :off, :] == 0)
-    size = np.linalg.norm(inp["dout"]) * np.linalg.norm(inp["v"]) / math.sqrt(64)
     for name in ("dq", "dk"):
-        assert np.linalg.norm(got[name]) <= 1e-6 * size * np.linalg.norm(inp["k"]), name
+        _assert_rounding_noise(got[name], inp, name)
 
 
 def test_cpu_tile_sizes_agree() -> None:

@@ -47,6 +47,8 @@ BOUNDS: Dict[Tuple[str, str], Dict[str, float]] = {
 }
 DTYPES = tuple(sorted({dtype for _, dtype in BOUNDS}))
 
+
+
 # Cap on B * H * Nq * Nk * D per profile, which bounds the cost of every
 # example (the float64 reference is dense); None: only the per-dimension
 # maxima (B <= 2, H <= 3, N <= 700, D <= 256).
