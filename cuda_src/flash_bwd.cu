@@ -209,13 +209,32 @@ flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, 
         // Pij and dSij are complete.
         __syncthreads();
 
-        // dVj += Pij^T dOi and dKj += dSij^T Qi (scale applied at the end).
-        warp_mma<1, NT_KV, true>(
-            dv_acc, [&](int m, int k) { return Pij[k * LD_S + kv_row + m]; },
-            [&](int k, int n) { return dOi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
-        warp_mma<1, NT_KV, true>(
-            dk_acc, [&](int m, int k) { return dSij[k * LD_S + kv_row + m]; },
-            [&](int k, int n) { return Qi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
+        // dVj += Pij^T dOi and dKj += dSij^T Qi (scale applied at the end), each
+        // through a fresh accumulator added in float32 (see warp_mma_rega_add).
+        {
+            float part[1][NT_KV][4];
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[0][n][e] = 0.f;
+            warp_mma<1, NT_KV, true>(
+                part, [&](int m, int k) { return Pij[k * LD_S + kv_row + m]; },
+                [&](int k, int n) { return dOi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    dv_acc[0][n][e] += part[0][n][e];
+                    part[0][n][e] = 0.f;
+                }
+            warp_mma<1, NT_KV, true>(
+                part, [&](int m, int k) { return dSij[k * LD_S + kv_row + m]; },
+                [&](int k, int n) { return Qi[k * LD_HEAD + kv_col + n]; }, BWD_BR / 8, D - kv_col, lane);
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dk_acc[0][n][e] += part[0][n][e];
+        }
 
         // dQi += scale * dSij Kj, added into the float32 accumulator.
         if (dQacc != nullptr) {
@@ -348,8 +367,8 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
         }
 
         // dQi += dSij Kj.
-        warp_mma_rega<DQ_BC / 8, HEAD_DIM / 8>(dq_acc, s[0], [&](int k, int n) { return Kj[k * LD_HEAD + n]; },
-                                              lane);
+        warp_mma_rega_add<DQ_BC / 8, HEAD_DIM / 8, 2>(dq_acc, s[0],
+                                                     [&](int k, int n) { return Kj[k * LD_HEAD + n]; }, lane);
         // Every warp is done with Kj and Vj before the next tile overwrites them.
         __syncthreads();
     }

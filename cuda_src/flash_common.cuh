@@ -134,6 +134,28 @@ __device__ __forceinline__ void warp_mma_rega(float (&acc)[NT][4], const float (
     }
 }
 
+// acc[NT] += P * B as warp_mma_rega, but through fresh accumulators of CHUNK
+// tiles that are then added in float32.  The tensor cores truncate when they
+// add into an accumulator; summing a long loop (all key tiles) directly into
+// one would let that bias grow with the sequence length, while a fresh
+// accumulator per call only sees the 8*KT terms of one tile.
+template <int KT, int NT, int CHUNK, typename LoadB>
+__device__ __forceinline__ void warp_mma_rega_add(float (&acc)[NT][4], const float (&p)[KT][4],
+                                                  const LoadB &B, int lane) {
+    static_assert(NT % CHUNK == 0, "whole chunks");
+#pragma unroll
+    for (int c0 = 0; c0 < NT; c0 += CHUNK) {
+        float part[CHUNK][4];
+#pragma unroll
+        for (int n = 0; n < CHUNK; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
+        warp_mma_rega<KT, CHUNK>(part, p, [&](int k, int n) { return B(k, 8 * c0 + n); }, lane);
+#pragma unroll
+        for (int n = 0; n < CHUNK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[c0 + n][e] += part[n][e];
+    }
+}
+
 // ------------------------------------------------------------ async copies
 
 __device__ __forceinline__ void cp_async16(float *dst, const float *src, bool valid) {

@@ -173,8 +173,9 @@ flash_fwd_kernel(const float *__restrict__ Q, const float *__restrict__ K, const
             cp_async_commit();
         }
 
-        // Oi += Pij Vj.
-        warp_mma_rega<S_TILES, O_TILES>(o_acc, s[0], [&](int k, int n) { return Vj[k * LD_HEAD + n]; }, lane);
+        // Oi += Pij Vj (through fresh accumulators of 4 output tiles).
+        warp_mma_rega_add<S_TILES, O_TILES, 4>(o_acc, s[0], [&](int k, int n) { return Vj[k * LD_HEAD + n]; },
+                                               lane);
     }
 
     // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
