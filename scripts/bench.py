@@ -600,11 +600,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         torch.cuda.empty_cache()
     finally:
         stream.synchronize()
-        release = getattr(cuda_backend, "deactivate", None)
-        if callable(release):
-            release()
-        else:
-            ctx.pop()
+        cuda_backend.deactivate()
 
     print("\n== summary (ratio = ours / peer TFLOP/s)")
     print_table([row for r in results for row in table_rows(r)])

@@ -700,8 +700,11 @@ def test_host_key_lengths_with_device_inputs() -> None:
     + pycudaflash.cuda_status()[1],
 )
 def test_device_key_lengths_copied_and_checked(kind: str) -> None:
-    import pycuda.autoinit  # noqa: F401  (creates a context)
     import pycuda.gpuarray as gpuarray
+
+    from pycudaflash import cuda_backend
+
+    cuda_backend.activate()  # the library's primary context, as every other CUDA test
 
     good = gpuarray.to_gpu(np.array([NK, 2], np.int32))
     prob = run_fwd(fwd_args(kind, key_lengths=good))
