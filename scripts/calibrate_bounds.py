@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("cuda", "numpy"), default="cuda")
     ap.add_argument("--examples", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop measuring after this long and report what was seen")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
 
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
         cuda_backend.activate()
 
     needs: Dict[str, List[float]] = {q: [] for q in QUANTITIES}
+    t0 = time.perf_counter()
     worst: Dict[str, tuple] = {}
 
     @seed(args.seed)
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
               suppress_health_check=list(HealthCheck))
     @given(problem=attention_problems())
     def one(problem) -> None:
+        if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+            return  # over the time budget: the remaining draws are not measured
         x = make_inputs(problem)
         kw = attention_kwargs(problem, x)
         out, lse = flash_attn_forward(x["q"], x["k"], x["v"], backend=args.backend, **kw)
@@ -101,7 +106,6 @@ def main(argv=None) -> int:
             if n > worst.get(name, (-1.0,))[0]:
                 worst[name] = (n, repr(problem))
 
-    t0 = time.perf_counter()
     one()
     secs = time.perf_counter() - t0
     print(f"backend {args.backend}: {len(needs['out'])} examples in {secs:.0f} s")
