@@ -29,20 +29,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
-PASSES = {"fwd": "flash_fwd.cu", "bwd": "flash_bwd.cu"}
 COMMON = "flash_common.cuh"
+COMMON_F16 = "flash_common_f16.cuh"
+#: Source files of each pass, pasted in this order.  The ``*_f16`` passes
+#: serve float16 and bfloat16 (``ELEM_BF16`` picks the type).
+PASSES: Dict[str, Tuple[str, ...]] = {
+    "fwd": (COMMON, "flash_fwd.cu"),
+    "bwd": (COMMON, "flash_bwd.cu"),
+    "fwd_f16": (COMMON, COMMON_F16, "flash_fwd_f16.cu"),
+    "bwd_f16": (COMMON, COMMON_F16, "flash_bwd_f16.cu"),
+}
+#: Input dtypes the kernels implement.
+DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims are padded up to one of these (kernels specialise on the bucket).
-HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+HEAD_DIM_BUCKETS = (32, 64, 128, 256)  # float32
+HEAD_DIM_BUCKETS_F16 = (64, 96, 128, 192, 256)  # float16, bfloat16
 #: Dense mask kinds -> MASK_MODE define.
 MASK_MODES = {"none": 0, "bool": 1, "float": 2}
 #: Options for every kernel (the architecture is added per device).
 NVCC_OPTIONS = ("-O3", "-std=c++17")
 
-FWD_WARPS = 4
+FWD_WARPS = 4  # float32 forward
 BWD_WARPS = 8
 DQ_WARPS = 4
 SMEM_PAD = 4  # floats of padding per shared-memory row (see flash_common.cuh)
+SMEM_PAD_H = 8  # 16-bit elements of padding per row (see flash_common_f16.cuh)
 FLOAT_BYTES = 4
+HALF_BYTES = 2
+
+
+def pass_name(kind: str, dtype: str) -> str:
+    """Pass for ``kind`` ('fwd' or 'bwd') and an input dtype name."""
+    if dtype not in DTYPES:
+        raise ValueError(f"no kernels for dtype {dtype!r}")
+    return kind if dtype == "float32" else f"{kind}_f16"
+
+
+def buckets(dtype: str = "float32") -> Tuple[int, ...]:
+    """Head-dim buckets of a dtype's kernels."""
+    return HEAD_DIM_BUCKETS if dtype == "float32" else HEAD_DIM_BUCKETS_F16
 
 
 def kernel_dir() -> Path:
@@ -54,17 +79,21 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"cuda_src/{COMMON} not found next to {here}")
 
 
-def head_dim_bucket(d: int) -> int:
-    """Smallest bucket that holds head dim ``d`` (1 <= d <= 256)."""
-    for bucket in HEAD_DIM_BUCKETS:
+def head_dim_bucket(d: int, dtype: str = "float32") -> int:
+    """Smallest bucket of ``dtype``'s kernels that holds head dim ``d`` (1 <= d <= 256)."""
+    for bucket in buckets(dtype):
         if d <= bucket:
             return bucket
-    raise ValueError(f"head dim {d} exceeds the largest supported ({HEAD_DIM_BUCKETS[-1]})")
+    raise ValueError(f"head dim {d} exceeds the largest supported ({buckets(dtype)[-1]})")
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes of one head-dim bucket (rows of Q / keys of K per block)."""
+    """Tile sizes of one head-dim bucket (rows of Q / keys of K per block).
+
+    ``fwd_warps`` warps of ``fwd_mt`` 16-row blocks each make the forward's
+    ``fwd_br`` (fixed at 4 x 1 for float32).
+    """
 
     fwd_br: int
     fwd_bc: int
@@ -72,44 +101,73 @@ class Tiles:
     bwd_bc: int
     dq_br: int
     dq_bc: int
+    fwd_warps: int = FWD_WARPS
+    fwd_mt: int = 1
 
 
-def tiles(head_dim: int) -> Tiles:
-    """Tile sizes for a head-dim bucket; the kernels' defaults match these.
+def tiles(head_dim: int, dtype: str = "float32") -> Tiles:
+    """Tile sizes for a head-dim bucket of a dtype; the kernels' defaults match these.
 
     ``$PYCUDAFLASH_TILES`` overrides them for tuning experiments, e.g.
-    ``"128:fwd_bc=32,bwd_br=32;64:fwd_bc=128"``.
+    ``"128:fwd_bc=32,bwd_br=32;h64:fwd_bc=128,fwd_mt=2"`` (an ``h`` before
+    the head dim selects the float16/bfloat16 kernels).
     """
+    half = dtype != "float32"
     big = head_dim > 128
-    small = head_dim <= 64
-    sizes = dict(
-        fwd_br=16 * FWD_WARPS,
-        fwd_bc=32 if big else 64,
-        bwd_br=32 if (big or small) else 64,
-        bwd_bc=32 if big else 64,
-        dq_br=16 * DQ_WARPS,
-        dq_bc=32 if big else 64,
-    )
-    sizes.update(_tile_overrides().get(head_dim, {}))
+    if half:
+        # Measured on the H200 (scripts/f16_tune.py): two 16-row blocks per
+        # warp where the registers allow it.
+        sizes = dict(
+            fwd_warps=4,
+            fwd_mt=2 if head_dim <= 128 else 1,
+            fwd_bc=64 if head_dim <= 64 else 32,
+            bwd_br=128 if head_dim <= 64 else (32 if head_dim > 192 else 64),
+            bwd_bc=64 if big else 128,
+            dq_br=16 * DQ_WARPS,
+            dq_bc=32 if big else 64,
+        )
+    else:
+        small = head_dim <= 64
+        sizes = dict(
+            fwd_bc=32 if big else 64,
+            bwd_br=32 if (big or small) else 64,
+            bwd_bc=32 if big else 64,
+            dq_br=16 * DQ_WARPS,
+            dq_bc=32 if big else 64,
+        )
+    sizes.update(_tile_overrides().get(("h" if half else "") + str(head_dim), {}))
+    if not half and (sizes.get("fwd_warps", FWD_WARPS) != FWD_WARPS or sizes.get("fwd_mt", 1) != 1):
+        raise ValueError("PYCUDAFLASH_TILES: the float32 forward has fixed warps")
+    sizes["fwd_br"] = 16 * sizes.get("fwd_warps", FWD_WARPS) * sizes.get("fwd_mt", 1)
     return Tiles(**sizes)
 
 
-def _tile_overrides() -> Dict[int, Dict[str, int]]:
+def _tile_overrides() -> Dict[str, Dict[str, int]]:
     spec = os.environ.get("PYCUDAFLASH_TILES", "").strip()
-    out: Dict[int, Dict[str, int]] = {}
+    out: Dict[str, Dict[str, int]] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         hd, _, items = part.partition(":")
         for item in filter(None, (i.strip() for i in items.split(","))):
             key, _, val = item.partition("=")
             if key not in Tiles.__dataclass_fields__ or key in ("fwd_br", "dq_br"):
                 raise ValueError(f"PYCUDAFLASH_TILES: unknown or fixed tile size {key!r}")
-            out.setdefault(int(hd), {})[key] = int(val)
+            out.setdefault(hd.strip(), {})[key] = int(val)
     return out
 
 
-def smem_bytes(kernel: str, head_dim: int) -> int:
+def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32") -> int:
     """Dynamic shared memory of a kernel, mirroring the layout in its .cu file."""
-    t = tiles(head_dim)
+    t = tiles(head_dim, dtype)
+    if dtype != "float32":
+        ld = head_dim + SMEM_PAD_H
+        if kernel == "flash_fwd_kernel":
+            return (t.fwd_br + 2 * t.fwd_bc) * ld * HALF_BYTES
+        if kernel == "flash_bwd_dkdv_kernel":
+            return ((2 * t.bwd_bc + 4 * t.bwd_br) * ld + 2 * t.bwd_br * (t.bwd_bc + SMEM_PAD_H)) * HALF_BYTES \
+                + 2 * t.bwd_br * FLOAT_BYTES
+        if kernel == "flash_bwd_dq_kernel":
+            return (2 * t.dq_br + 2 * t.dq_bc) * ld * HALF_BYTES
+        return 0
     ld = head_dim + SMEM_PAD
     if kernel == "flash_fwd_kernel":
         floats = (t.fwd_br + 2 * t.fwd_bc) * ld
@@ -122,36 +180,43 @@ def smem_bytes(kernel: str, head_dim: int) -> int:
     return floats * FLOAT_BYTES
 
 
-def defines(pass_: str, head_dim: int, mask_kind: str) -> Dict[str, int]:
-    """The ``-D`` defines of one variant."""
+def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32") -> Dict[str, int]:
+    """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
-    if head_dim not in HEAD_DIM_BUCKETS:
-        raise ValueError(f"head dim {head_dim} is not a bucket {HEAD_DIM_BUCKETS}")
-    t = tiles(head_dim)
+    half = pass_.endswith("_f16")
+    if half != (dtype != "float32"):
+        raise ValueError(f"pass {pass_!r} does not serve dtype {dtype!r}")
+    if head_dim not in buckets(dtype):
+        raise ValueError(f"head dim {head_dim} is not a bucket {buckets(dtype)}")
+    t = tiles(head_dim, dtype)
     out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind]}
-    if pass_ == "fwd":
+    if half:
+        out["ELEM_BF16"] = int(dtype == "bfloat16")
+    if pass_.startswith("fwd"):
         out["BC"] = t.fwd_bc
+        if half:
+            out.update(FWD_WARPS=t.fwd_warps, FWD_MT=t.fwd_mt)
     else:
         out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=t.dq_bc)
     return out
 
 
-def all_variants() -> Iterator[Tuple[str, Dict[str, int]]]:
+def all_variants(dtypes: Tuple[str, ...] = DTYPES) -> Iterator[Tuple[str, Dict[str, int]]]:
     """Every (pass, defines) the library can request."""
-    for pass_ in PASSES:
-        for hd in HEAD_DIM_BUCKETS:
-            for mk in MASK_MODES:
-                yield pass_, defines(pass_, hd, mk)
+    for dtype in dtypes:
+        for kind in ("fwd", "bwd"):
+            pass_ = pass_name(kind, dtype)
+            for hd in buckets(dtype):
+                for mk in MASK_MODES:
+                    yield pass_, defines(pass_, hd, mk, dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def source(pass_: str) -> str:
     """Full source text of a pass: the common header, then the pass."""
     kdir = kernel_dir()
-    common = (kdir / COMMON).read_text()
-    body = (kdir / PASSES[pass_]).read_text()
-    return f'#line 1 "{COMMON}"\n{common}\n#line 1 "{PASSES[pass_]}"\n{body}'
+    return "\n".join(f'#line 1 "{name}"\n{(kdir / name).read_text()}' for name in PASSES[pass_])
 
 
 def options(defs: Dict[str, int]) -> List[str]:
@@ -254,6 +319,10 @@ def get_function(pass_: str, defs: Dict[str, int], name: str, arg_format: str, s
                 f"memory; this device allows {limit} per block"
             )
         fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+    if smem > 0:
+        # Ask for the largest shared-memory carveout, so that as many blocks as
+        # the registers allow also fit by shared memory.
+        fn.set_attribute(drv.function_attribute.PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
     _functions[key] = fn
     return fn
 

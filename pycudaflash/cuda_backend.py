@@ -24,6 +24,7 @@ from .semantics import BAND_UNBOUNDED
 _state = threading.local()
 _primary: Dict[int, Any] = {}
 MAX_GRID_YZ = 65535
+LOG2E = 1.4426950408889634
 
 
 # ------------------------------------------------------------------ context
@@ -172,33 +173,54 @@ def _input(op: Operand, stream) -> _DevArg:
     return _DevArg(int(buf.gpudata), _c_strides(op.shape), keep=buf)
 
 
-def _mask_input(op: Optional[Operand], stream) -> _DevArg:
+def _mask_input(op: Optional[Operand], stream, convert=None) -> _DevArg:
+    """Device pointer and strides of the dense mask (float masks as float32).
+
+    ``convert`` is the kernel that turns a device float mask stored in the
+    input's 16-bit type into a compact float32 copy.
+    """
     if op is None:
         return _DevArg(0, (0, 0, 0, 0))
-    if op.on_device:
+    needs_f32 = op.dtype.kind != "b" and op.dtype != np.float32
+    if op.on_device and not needs_f32:
         return _DevArg(op.ptr, op.strides)
+    if op.on_device:
+        import pycuda.gpuarray as gpuarray
+
+        if convert is None:
+            raise TypeError(f"a {op.dtype} mask needs the float32 conversion kernel")
+        dims = tuple(1 if st == 0 else n for n, st in zip(op.shape, op.strides))
+        buf = gpuarray.empty(dims, np.float32)
+        total = int(np.prod(dims))
+        blocks = max(1, min((total + 255) // 256, 132 * 16))
+        convert.prepared_async_call((blocks, 1, 1), (256, 1, 1), stream, op.ptr, int(buf.gpudata),
+                                    dims[1], dims[2], dims[3], *op.strides, total)
+        cs = _c_strides(dims)
+        return _DevArg(int(buf.gpudata), tuple(0 if st == 0 else c for st, c in zip(op.strides, cs)), keep=buf)
     # Upload the compact mask (size 1 on broadcast dims) and keep zero strides there.
     arr = op.array
     compact = arr[tuple(slice(0, 1) if s == 0 else slice(None) for s in op.strides)]
+    if needs_f32:
+        compact = compact.astype(np.float32)
     buf = _upload(compact, stream)
     cs = _c_strides(compact.shape)
     strides = tuple(0 if s == 0 else c for s, c in zip(op.strides, cs))
     return _DevArg(int(buf.gpudata), strides, keep=buf)
 
 
-def _output(op: Optional[Operand], shape, stream, on_device: bool) -> _DevArg:
+def _output(op: Optional[Operand], shape, dtype, on_device: bool) -> _DevArg:
     import pycuda.gpuarray as gpuarray
 
     if op is not None and op.on_device:
         return _DevArg(op.ptr, op.strides, keep=None)
-    buf = gpuarray.empty(shape, np.float32)
+    buf = gpuarray.empty(shape, dtype)
     host = None
     if not on_device:
-        host = op.array if op is not None else np.empty(shape, np.float32)
+        host = op.array if op is not None else np.empty(shape, dtype)
     return _DevArg(int(buf.gpudata), _c_strides(shape), keep=buf, host=host)
 
 
-def _result(arg: _DevArg, op: Optional[Operand], stream):
+def _result(arg: _DevArg, op: Optional[Operand]):
     """What the API returns for one output: the caller's buffer, a GPUArray or numpy."""
     if arg.host is not None:
         return arg.host
@@ -245,16 +267,25 @@ def _check_grid(prob: Problem) -> None:
         raise ValueError(f"B and H must each be <= {MAX_GRID_YZ} on the CUDA backend, got B={prob.B}, H={prob.H}")
 
 
-def _vec_ok(args, D: int) -> int:
-    """16-byte loads are possible: D % 4 == 0, rows and bases 16-byte aligned."""
-    if D % 4:
+def _vec_ok(args, D: int, itemsize: int = 4) -> int:
+    """16-byte loads are possible: D a whole number of 16 bytes, rows and bases 16-byte aligned."""
+    per16 = 16 // itemsize
+    if D % per16:
         return 0
     for a in args:
         if a.ptr % 16:
             return 0
-        if any(s % 4 for s in a.strides[:-1]):
+        if any(s % per16 for s in a.strides[:-1]):
             return 0
     return 1
+
+
+def _kernel_dtype(prob: Problem) -> str:
+    """Name of the problem's input dtype as the compiler knows it."""
+    name = np.dtype(prob.dtype).name
+    if name not in compiler.DTYPES:
+        raise TypeError(f"no CUDA kernels for dtype {name}")
+    return name
 
 
 def _three(strides) -> Tuple[int, int, int]:
@@ -264,6 +295,7 @@ def _three(strides) -> Tuple[int, int, int]:
 # ------------------------------------------------------------------ forward
 
 _FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
+_MASK_CONVERT_FORMAT = "PP" + "qqq" + "qqqq" + "q"
 
 
 def run_forward(prob: Problem, stream=None):
@@ -271,23 +303,28 @@ def run_forward(prob: Problem, stream=None):
     activate()
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    hd = compiler.head_dim_bucket(D)
-    defs = compiler.defines("fwd", hd, prob.mask_kind)
-    smem = compiler.smem_bytes("flash_fwd_kernel", hd)
-    fn = compiler.get_function("fwd", defs, "flash_fwd_kernel", _FWD_FORMAT, smem)
+    dt = _kernel_dtype(prob)
+    pass_ = compiler.pass_name("fwd", dt)
+    hd = compiler.head_dim_bucket(D, dt)
+    defs = compiler.defines(pass_, hd, prob.mask_kind, dt)
+    tiles = compiler.tiles(hd, dt)
+    smem = compiler.smem_bytes("flash_fwd_kernel", hd, dt)
+    fn = compiler.get_function(pass_, defs, "flash_fwd_kernel", _FWD_FORMAT, smem)
+    conv = _mask_converter(prob, pass_, defs)
 
     q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
-    out = _output(prob.out, (B, H, Nq, D), stream, prob.on_device)
-    lse = _output(prob.lse, (B, H, Nq), stream, prob.on_device)
-    mask = _mask_input(prob.mask, stream)
+    out = _output(prob.out, (B, H, Nq, D), prob.dtype, prob.on_device)
+    lse = _output(prob.lse, (B, H, Nq), np.float32, prob.on_device)
+    mask = _mask_input(prob.mask, stream, conv)
     ws = _workspace(stream)
     kl_ptr = _key_lengths(prob, stream, ws.get(4 * B, stream)) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
-    vec = _vec_ok((q, k, v), D)
-    tiles = compiler.tiles(hd)
+    itemsize = np.dtype(prob.dtype).itemsize
+    # 16-bit outputs are stored in aligned pairs under the same condition.
+    vec = _vec_ok((q, k, v) if itemsize == 4 else (q, k, v, out), D, itemsize)
     grid = ((Nq + tiles.fwd_br - 1) // tiles.fwd_br, H, B)
     fn.prepared_async_call(
-        grid, (32 * compiler.FWD_WARPS, 1, 1), stream,
+        grid, (32 * tiles.fwd_warps, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
         Nq, Nk, D,
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),
@@ -297,10 +334,18 @@ def run_forward(prob: Problem, stream=None):
     )
     if not prob.on_device:
         _finish_host((out, lse), stream)
-    return _result(out, prob.out, stream), _result(lse, prob.lse, stream)
+    return _result(out, prob.out), _result(lse, prob.lse)
 
 
-LOG2E = 1.4426950408889634
+def _mask_converter(prob: Problem, pass_: str, defs):
+    """The 16-bit float mask conversion kernel, where the problem needs it."""
+    m = prob.mask
+    if m is None or not m.on_device or m.dtype.kind == "b" or m.dtype == np.float32:
+        return None
+    if not pass_.endswith("_f16") or m.dtype != np.dtype(prob.dtype):
+        raise TypeError(f"a {m.dtype} mask is not supported for {np.dtype(prob.dtype).name} inputs")
+    return compiler.get_function(pass_, defs, "flash_convert_mask", _MASK_CONVERT_FORMAT)
+
 
 # ----------------------------------------------------------------- backward
 
@@ -317,24 +362,27 @@ def run_backward(prob: Problem, stream=None):
     activate()
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    hd = compiler.head_dim_bucket(D)
-    defs = compiler.defines("bwd", hd, prob.mask_kind)
-    tiles = compiler.tiles(hd)
-    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd)
-    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd)
-    f_pre = compiler.get_function("bwd", defs, "flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = compiler.get_function("bwd", defs, "flash_bwd_dkdv_kernel", _DKDV_FORMAT, smem_kv)
+    dt = _kernel_dtype(prob)
+    pass_ = compiler.pass_name("bwd", dt)
+    hd = compiler.head_dim_bucket(D, dt)
+    defs = compiler.defines(pass_, hd, prob.mask_kind, dt)
+    tiles = compiler.tiles(hd, dt)
+    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, dt)
+    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd, dt)
+    f_pre = compiler.get_function(pass_, defs, "flash_bwd_preprocess", _PRE_FORMAT)
+    f_kv = compiler.get_function(pass_, defs, "flash_bwd_dkdv_kernel", _DKDV_FORMAT, smem_kv)
     if prob.deterministic:
-        f_dq = compiler.get_function("bwd", defs, "flash_bwd_dq_kernel", _DQ_FORMAT, smem_dq)
+        f_dq = compiler.get_function(pass_, defs, "flash_bwd_dq_kernel", _DQ_FORMAT, smem_dq)
     else:
-        f_conv = compiler.get_function("bwd", defs, "flash_bwd_convert_dq", _CONVERT_FORMAT)
+        f_conv = compiler.get_function(pass_, defs, "flash_bwd_convert_dq", _CONVERT_FORMAT)
+    conv = _mask_converter(prob, pass_, defs)
 
     q, k, v, o, do = (_input(op, stream) for op in (prob.q, prob.k, prob.v, prob.out, prob.dout))
     lse = _input(prob.lse, stream)
-    dq = _output(prob.dq, (B, H, Nq, D), stream, prob.on_device)
-    dk = _output(prob.dk, (B, H, Nk, D), stream, prob.on_device)
-    dv = _output(prob.dv, (B, H, Nk, D), stream, prob.on_device)
-    mask = _mask_input(prob.mask, stream)
+    dq = _output(prob.dq, (B, H, Nq, D), prob.dtype, prob.on_device)
+    dk = _output(prob.dk, (B, H, Nk, D), prob.dtype, prob.on_device)
+    dv = _output(prob.dv, (B, H, Nk, D), prob.dtype, prob.on_device)
+    mask = _mask_input(prob.mask, stream, conv)
 
     # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator.
     rows = B * H * Nq
@@ -346,7 +394,9 @@ def run_backward(prob: Problem, stream=None):
     d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
     kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
-    vec = _vec_ok((q, k, v, do), D)
+    itemsize = np.dtype(prob.dtype).itemsize
+    # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
+    vec = _vec_ok((q, k, v, do) if itemsize == 4 else (q, k, v, do, dq, dk, dv), D, itemsize)
     scale = np.float32(prob.scale)
     scale_log2 = np.float32(prob.scale * LOG2E)
 
@@ -393,7 +443,7 @@ def run_backward(prob: Problem, stream=None):
         )
     if not prob.on_device:
         _finish_host((dq, dk, dv), stream)
-    return tuple(_result(a, op, stream) for a, op in ((dq, prob.dq), (dk, prob.dk), (dv, prob.dv)))
+    return tuple(_result(a, op) for a, op in ((dq, prob.dq), (dk, prob.dk), (dv, prob.dv)))
 
 
 def compile_info() -> Dict[str, Any]:

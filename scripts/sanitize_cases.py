@@ -1,13 +1,14 @@
 """Small forward+backward runs for every mask mode, for compute-sanitizer.
 
-Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py
-Each case runs the forward, the atomic backward and the deterministic backward
+Usage: compute-sanitizer --tool memcheck python3 scripts/sanitize_cases.py [DTYPE ...]
+(DTYPE among float32, float16, bfloat16; all three by default).  Each case runs the forward, the atomic backward and the deterministic backward
 on device arrays and checks the results against the float64 reference, so a
 sanitizer run also proves the kernels computed the right thing.
 """
 
 import sys
 
+import ml_dtypes
 import numpy as np
 
 import pycuda.gpuarray as gpuarray
@@ -17,10 +18,14 @@ from pycudaflash import cuda_backend
 from pycudaflash.reference import reference_backward, reference_forward
 from pycudaflash.testing import relative_error
 
-BOUND = 2e-5  # sanity bound; the tight bounds live in the test suite
+# Sanity bounds per dtype; the tight bounds live in the test suite.
+BOUNDS = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
+NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+             "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    dtypes = (argv if argv is not None else sys.argv[1:]) or list(BOUNDS)
     cuda_backend.activate()
     rng = np.random.default_rng(7)
     B, H, Nq, Nk = 2, 2, 70, 131
@@ -36,25 +41,28 @@ def main() -> int:
     }
     cases["bool_mask"]["mask"][:, :, 5, :] = False
     failures = 0
-    for D in (64, 37):
-        q, k, v, do = (rng.standard_normal(s, dtype=np.float32)
+    for dtype, D in ((dt, D) for dt in dtypes for D in (64, 37)):
+        np_dtype = NP_DTYPES[dtype]
+        q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(np_dtype)
                        for s in ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D), (B, H, Nq, D)))
         gq, gk, gv, gdo = (gpuarray.to_gpu(x) for x in (q, k, v, do))
-        for name, kw in cases.items():
+        all_cases = dict(cases)
+        if dtype != "float32":  # a float mask in the input's own type (converted on the device)
+            all_cases["float_mask_" + dtype] = {"mask": cases["float_mask"]["mask"].astype(np_dtype)}
+        for name, kw in all_cases.items():
             dkw = {key: (gpuarray.to_gpu(val) if key == "mask" else val) for key, val in kw.items()}
             out, lse = pf.flash_attn_forward(gq, gk, gv, **dkw)
             ro, rl = reference_forward(q, k, v, **kw)
             rdq, rdk, rdv = reference_backward(do, q, k, v, **kw)
-            errs = [relative_error(out.get(), ro)]
+            errs = [relative_error(out.get().astype(np.float64), ro)]
             for det in (False, True):
                 dq, dk, dv = pf.flash_attn_backward(gdo, gq, gk, gv, out, lse, deterministic=det, **dkw)
-                errs += [relative_error(dq.get(), rdq), relative_error(dk.get(), rdk),
-                         relative_error(dv.get(), rdv)]
+                errs += [relative_error(x.get().astype(np.float64), r) for x, r in ((dq, rdq), (dk, rdk), (dv, rdv))]
             lse_h = lse.get()
             same_inf = np.array_equal(np.isneginf(lse_h), np.isneginf(rl))
-            ok = same_inf and all(e <= BOUND for e in errs)
+            ok = same_inf and all(e <= BOUNDS[dtype] for e in errs)
             failures += not ok
-            print(f"D={D:3d} {name:20s} max err {max(errs):.2e} lse -inf pattern {'ok' if same_inf else 'WRONG'}"
+            print(f"{dtype:8s} D={D:3d} {name:20s} max err {max(errs):.2e} lse -inf pattern {'ok' if same_inf else 'WRONG'}"
                   f" {'ok' if ok else 'FAIL'}", flush=True)
     print("sanitize cases:", "all ok" if not failures else f"{failures} failed")
     cuda_backend.deactivate()

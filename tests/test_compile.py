@@ -30,8 +30,10 @@ def _label(r):
 
 
 def test_variant_count(builds):
-    # 2 passes x 4 head-dim buckets x 3 mask modes, for each architecture.
-    assert len(builds) == 2 * len(compiler.HEAD_DIM_BUCKETS) * len(compiler.MASK_MODES) * len(ARCHES)
+    # Per architecture: 2 passes x 3 mask modes x (4 float32 head-dim buckets
+    # + 2 16-bit dtypes x 5 buckets).
+    per_mask = len(compiler.HEAD_DIM_BUCKETS) + 2 * len(compiler.HEAD_DIM_BUCKETS_F16)
+    assert len(builds) == 2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES)
 
 
 def test_all_variants_compile(builds):
@@ -42,9 +44,10 @@ def test_all_variants_compile(builds):
 def test_no_local_memory_spills(builds):
     bad = []
     for r in builds:
-        expected = {"fwd": {"flash_fwd_kernel"},
-                    "bwd": {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel",
-                            "flash_bwd_convert_dq"}}[r.pass_]
+        bwd = {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_convert_dq"}
+        expected = {"fwd": {"flash_fwd_kernel"}, "bwd": bwd,
+                    "fwd_f16": {"flash_fwd_kernel", "flash_convert_mask"},
+                    "bwd_f16": bwd | {"flash_convert_mask"}}[r.pass_]
         assert expected <= set(r.spills), f"{_label(r)}: ptxas report lacks {expected - set(r.spills)}"
         for kernel, (stores, loads) in r.spills.items():
             if stores or loads or r.stack.get(kernel, 0):

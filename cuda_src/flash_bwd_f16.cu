@@ -1,0 +1,489 @@
+// flash_bwd_f16.cu -- FlashAttention backward pass, float16 / bfloat16 on the
+// tensor cores (mma.sync.m16n8k16, float32 accumulators).
+//
+// Algorithm: FlashAttention-2 backward (Dao 2023, Algorithm 2).  With the
+// forward's log-sum-exp Li, the attention matrix is recomputed tile by tile:
+//   Pij  = exp(scale * Qi Kj^T + bias - Li)      (0 where masked)
+//   dVj += Pij^T dOi
+//   dPij = dOi Vj^T
+//   dSij = Pij o (dPij - Di),  Di = rowsum(dOi o Oi)
+//   dKj += scale * dSij^T Qi
+//   dQi += scale * dSij Kj
+// Pij and dSij are rounded to the input type before they enter a product;
+// every sum runs in float32.  Kernels, launched in this order on one stream:
+//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace.
+//   flash_bwd_dkdv_kernel one block per key tile Kj, Vj (outer loop) of one
+//                         (batch, head); loops over the query tiles that see
+//                         it; dKj, dVj stay in registers.  Given a dQ
+//                         accumulator it also adds dQi into it with float32
+//                         atomics (fast, summation order not deterministic).
+//   flash_bwd_dq_kernel   deterministic dQ: one block per query tile Qi
+//                         (outer loop) recomputes Pij, dSij and sums dSij Kj
+//                         in a fixed order, all in registers.
+//   flash_bwd_convert_dq  rounds the float32 accumulator into dq (strided).
+//
+// Assumptions: as flash_fwd_f16.cu; lse is the natural-log log-sum-exp of the
+// forward (-inf for rows that saw no key: their gradients are 0).
+//
+// Tile layout (dkdv): BWD_WARPS = 8 warps, Bc keys x Br queries (defaults
+// 128 x 128 for HEAD_DIM 64, 128 x 64 for 96 and 128, 64 x 64 for 192,
+// 64 x 32 for 256).  Shared memory: Kj, Vj
+// [Bc][LDH]; Qi, dOi [2][Br][LDH] (double buffered: the next query tile loads
+// while this one is used); Pij, dSij [Br][Bc+8]; Li, Di [Br].  Each product
+// spreads its output over the warps as a grid of 16-row x (8*NT)-column warp
+// tiles: Sij, dPij (Br x Bc), dVj, dKj (Bc x HEAD_DIM), dQi (Br x HEAD_DIM).
+// Pij and dSij pass through shared memory because dVj and dKj read them
+// transposed (ldmatrix.trans) and dQi with another warp grid.
+// Tile layout (dq): DQ_WARPS warps of 16 query rows, DQ_BC keys a step; dSij
+// feeds dSij Kj straight from the C fragments.
+
+#define BWD_WARPS 8
+#define BWD_THREADS (BWD_WARPS * WARP_SIZE)
+#ifndef BWD_BR
+#if HEAD_DIM <= 64
+#define BWD_BR 128
+#elif HEAD_DIM > 192
+#define BWD_BR 32
+#else
+#define BWD_BR 64
+#endif
+#endif
+#ifndef BWD_BC
+#if HEAD_DIM > 128
+#define BWD_BC 64
+#else
+#define BWD_BC 128
+#endif
+#endif
+#define LDS (BWD_BC + SMEM_PAD_H)  // row stride of Pij, dSij
+
+// Warp grids of the three product shapes.
+#define SW_M (BWD_BR / 16)          // Sij, dPij: row groups
+#define SW_N (BWD_WARPS / SW_M)     //            column groups
+#define NT_S (BWD_BC / (8 * SW_N))  //            8-wide tiles per warp
+#define S_CHUNK (NT_S < 4 ? NT_S : 4)  //         of which computed at once
+#define KW_M (BWD_BC / 16)          // dKj, dVj
+#define KW_N (BWD_WARPS / KW_M)
+#define NT_KV (HEAD_DIM / (8 * KW_N))
+#define QW_M (BWD_BR / 16)          // dQi
+#define QW_N (BWD_WARPS / QW_M)
+#define NT_Q (HEAD_DIM / (8 * QW_N))
+
+static_assert(SW_M * SW_N == BWD_WARPS && NT_S * 8 * SW_N == BWD_BC, "Sij warp grid covers the tile");
+static_assert(KW_M * KW_N == BWD_WARPS && NT_KV * 8 * KW_N == HEAD_DIM, "dKj warp grid covers the tile");
+static_assert(QW_M * QW_N == BWD_WARPS && NT_Q * 8 * QW_N == HEAD_DIM, "dQi warp grid covers the tile");
+static_assert(NT_S % S_CHUNK == 0 && S_CHUNK % 2 == 0 && NT_KV % 2 == 0 && NT_Q % 2 == 0, "warp tiles are whole 16-column pairs");
+static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0, "tiles are whole 16-wide k steps");
+
+#define DQ_WARPS 4
+#define DQ_THREADS (DQ_WARPS * WARP_SIZE)
+#define DQ_BR (16 * DQ_WARPS)
+#ifndef DQ_BC
+#if HEAD_DIM > 128
+#define DQ_BC 32
+#else
+#define DQ_BC 64
+#endif
+#endif
+static_assert(DQ_BC % 16 == 0, "dq key tile is a whole number of 16-wide k steps");
+
+// ------------------------------------------------------------- preprocess
+// Di = rowsum(dOi o Oi) (in float32) and Li * log2(e), one warp per row, into
+// contiguous (B, H, Nq) float32 arrays.  Rows with Li = -inf keep -inf.
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, int H, int Nq, int D, i64 total_rows,
+                     i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb, i64 l_sh,
+                     i64 l_sn) {
+    const i64 row = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row >= total_rows) return;
+    const int i = (int)(row % Nq);
+    const i64 bh = row / Nq;
+    const int h = (int)(bh % H), b = (int)(bh / H);
+    const elem_t *dorow = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
+    const elem_t *orow = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
+    float acc = 0.f;
+    for (int d = lane; d < D; d += WARP_SIZE) acc = fmaf(to_float(dorow[d]), to_float(orow[d]), acc);
+#pragma unroll
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+        Dvec[row] = acc;
+        L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
+    }
+}
+
+// Add a pair (d, d+1) of one dQ row into the float32 accumulator.
+__device__ __forceinline__ void dq_add_pair(float *row, int d, int D, float x0, float x1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if ((D & 1) == 0 && d + 1 < D) {  // 8-byte aligned pair: one vector atomic
+        atomicAdd(reinterpret_cast<float2 *>(row + d), make_float2(x0, x1));
+        return;
+    }
+#endif
+    if (d < D) atomicAdd(row + d, x0);
+    if (d + 1 < D) atomicAdd(row + d + 1, x1);
+}
+
+// ------------------------------------------------------------------- dK, dV
+extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
+flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
+                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
+                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
+                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *Kj = reinterpret_cast<elem_t *>(smem_raw);  // [BWD_BC][LDH]
+    elem_t *Vj = Kj + BWD_BC * LDH;                     // [BWD_BC][LDH]
+    elem_t *Qbuf = Vj + BWD_BC * LDH;                   // [2][BWD_BR][LDH]
+    elem_t *dObuf = Qbuf + 2 * BWD_BR * LDH;            // [2][BWD_BR][LDH]
+    elem_t *Pij = dObuf + 2 * BWD_BR * LDH;             // [BWD_BR][LDS]
+    elem_t *dSij = Pij + BWD_BR * LDS;                  // [BWD_BR][LDS]
+    float *Li = reinterpret_cast<float *>(dSij + BWD_BR * LDS);  // [BWD_BR], log2 units
+    float *Di = Li + BWD_BR;                                     // [BWD_BR]
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int k0 = blockIdx.x * BWD_BC;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+
+    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
+    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
+    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
+
+    // Query rows that see any key of this tile: [i_begin, i_end).
+    const int k_last = min(k0 + BWD_BC, mp.kl) - 1;
+    const int i_begin = max(0, k0 - band_hi);
+    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
+    const int tr_begin = i_begin / BWD_BR;
+    const int tr_end = (i_end > i_begin) ? (i_end + BWD_BR - 1) / BWD_BR : tr_begin;
+
+    // Warp tiles.
+    const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);
+    const int kv_row = 16 * (warp % KW_M), kv_col = 8 * NT_KV * (warp / KW_M);
+    const int q_row = 16 * (warp % QW_M), q_col = 8 * NT_Q * (warp / QW_M);
+
+    float dv_acc[NT_KV][4], dk_acc[NT_KV][4];
+#pragma unroll
+    for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dv_acc[n][e] = dk_acc[n][e] = 0.f;
+
+    if (tr_begin < tr_end) {
+        // Kj, Vj and the first Qi, dOi.
+        load_tile_h<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_h<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile_h<BWD_BR, BWD_THREADS>(Qbuf, Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        load_tile_h<BWD_BR, BWD_THREADS>(dObuf, dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        cp_async_commit();
+    }
+
+    for (int tr = tr_begin; tr < tr_end; ++tr) {
+        const int i0 = tr * BWD_BR;
+        const int buf = (tr - tr_begin) & 1;
+        const elem_t *Qi = Qbuf + buf * BWD_BR * LDH;
+        const elem_t *dOi = dObuf + buf * BWD_BR * LDH;
+        // Row statistics of this query tile.
+        if (tid < BWD_BR) {
+            const int i = i0 + tid;
+            Li[tid] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+            Di[tid] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+        }
+        cp_async_wait<0>();
+        // Qi, dOi (and Kj, Vj), Li and Di are in shared memory for every
+        // thread; every warp is done with the previous tile's buffers, Pij, dSij.
+        __syncthreads();
+        if (tr + 1 < tr_end) {  // prefetch the next query tile into the other buffer
+            load_tile_h<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
+            load_tile_h<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
+                                             tid);
+            cp_async_commit();
+        }
+
+        // Sij = Qi Kj^T and dPij = dOi Vj^T on this warp's 16 x (8*NT_S) tile,
+        // S_CHUNK 8-wide column tiles at a time (bounds the live registers).
+        const bool need_mask = tile_needs_mask(mp, i0, BWD_BR, k0, BWD_BC);
+#pragma unroll
+        for (int c0 = 0; c0 < NT_S; c0 += S_CHUNK) {
+            float s[S_CHUNK][4], dp[S_CHUNK][4];
+#pragma unroll
+            for (int n = 0; n < S_CHUNK; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+                if (16 * ks < D) {
+                    u32 aq[4], ado[4];
+                    load_a(aq, Qi, LDH, s_row, 16 * ks, lane);
+                    load_a(ado, dOi, LDH, s_row, 16 * ks, lane);
+#pragma unroll
+                    for (int np = 0; np < S_CHUNK / 2; ++np) {
+                        u32 bk[4], bv[4];
+                        load_b_nk(bk, Kj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
+                        load_b_nk(bv, Vj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
+                        mma16816(s[2 * np], aq, bk[0], bk[1]);
+                        mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
+                        mma16816(dp[2 * np], ado, bv[0], bv[1]);
+                        mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
+                    }
+                }
+            }
+
+            // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di),
+            // rounded to elem_t into shared memory.
+#pragma unroll
+            for (int n = 0; n < S_CHUNK; ++n) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = s_row + g + 8 * r, c = s_col + 8 * (c0 + n) + 2 * t;
+                    const float l2 = Li[row], di = Di[row];
+                    float p[2], ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float sv = s[n][2 * r + e];
+                        const float x = need_mask ? masked_score(sv, scale_log2, mp, mask_bh, i0 + row, k0 + c + e)
+                                                  : sv * scale_log2;
+                        p[e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
+                        ds[e] = p[e] * (dp[n][2 * r + e] - di);
+                    }
+                    *reinterpret_cast<u32 *>(Pij + row * LDS + c) = pack2(p[0], p[1]);
+                    *reinterpret_cast<u32 *>(dSij + row * LDS + c) = pack2(ds[0], ds[1]);
+                }
+            }
+        }
+        // Pij and dSij are complete.
+        __syncthreads();
+
+        // dVj += Pij^T dOi, dKj += dSij^T Qi (scale applied at the end).
+#pragma unroll
+        for (int kk = 0; kk < BWD_BR / 16; ++kk) {
+            u32 ap[4], ads[4];
+            load_a_t(ap, Pij, LDS, kv_row, 16 * kk, lane);
+            load_a_t(ads, dSij, LDS, kv_row, 16 * kk, lane);
+#pragma unroll
+            for (int np = 0; np < NT_KV / 2; ++np) {
+                if (kv_col + 16 * np < D) {
+                    u32 bdo[4], bq[4];
+                    load_b_kn(bdo, dOi, LDH, kv_col + 16 * np, 16 * kk, lane);
+                    load_b_kn(bq, Qi, LDH, kv_col + 16 * np, 16 * kk, lane);
+                    mma16816(dv_acc[2 * np], ap, bdo[0], bdo[1]);
+                    mma16816(dv_acc[2 * np + 1], ap, bdo[2], bdo[3]);
+                    mma16816(dk_acc[2 * np], ads, bq[0], bq[1]);
+                    mma16816(dk_acc[2 * np + 1], ads, bq[2], bq[3]);
+                }
+            }
+        }
+
+        // dQi += scale * dSij Kj, added into the float32 accumulator.
+        if (dQacc != nullptr) {
+            float dq[NT_Q][4];
+#pragma unroll
+            for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BWD_BC / 16; ++kk) {
+                u32 a[4];
+                load_a(a, dSij, LDS, q_row, 16 * kk, lane);
+#pragma unroll
+                for (int np = 0; np < NT_Q / 2; ++np) {
+                    if (q_col + 16 * np < D) {
+                        u32 bk[4];
+                        load_b_kn(bk, Kj, LDH, q_col + 16 * np, 16 * kk, lane);
+                        mma16816(dq[2 * np], a, bk[0], bk[1]);
+                        mma16816(dq[2 * np + 1], a, bk[2], bk[3]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = i0 + q_row + g + 8 * r;
+                if (i < Nq) {
+                    float *row = dQacc + (row_base + i) * D;
+#pragma unroll
+                    for (int n = 0; n < NT_Q; ++n)
+                        dq_add_pair(row, q_col + 8 * n + 2 * t, D, scale * dq[n][2 * r], scale * dq[n][2 * r + 1]);
+                }
+            }
+        }
+    }
+
+    // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
+    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
+    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = k0 + kv_row + g + 8 * r;
+        if (j < Nk) {
+#pragma unroll
+            for (int n = 0; n < NT_KV; ++n) {
+                const int d = kv_col + 8 * n + 2 * t;
+                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk_acc[n][2 * r], scale * dk_acc[n][2 * r + 1], vec);
+                store_pair(dVg + (i64)j * dv_sn, d, D, dv_acc[n][2 * r], dv_acc[n][2 * r + 1], vec);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------- deterministic dQ
+extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)
+flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                    const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,
+                    elem_t *__restrict__ dQ, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                    int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+                    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
+                    i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
+                    int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [DQ_BR][LDH]
+    elem_t *dOi = Qi + DQ_BR * LDH;                     // [DQ_BR][LDH]
+    elem_t *Kj = dOi + DQ_BR * LDH;                     // [DQ_BC][LDH]
+    elem_t *Vj = Kj + DQ_BC * LDH;                      // [DQ_BC][LDH]
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
+    const int row_w = 16 * warp;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+    const i64 row_base = ((i64)b * H + h) * Nq;
+
+    const int q_last = min(q0 + DQ_BR, Nq) - 1;
+    const int j_begin = max(0, q0 + band_lo);
+    const int j_end = min(mp.kl, q_last + band_hi + 1);
+    const int tc_begin = j_begin / DQ_BC;
+    const int tc_end = (j_end > j_begin) ? (j_end + DQ_BC - 1) / DQ_BC : tc_begin;
+
+    // Row statistics of this thread's rows g and g+8.
+    float l2[2], di[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        l2[r] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+        di[r] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+    }
+
+    float dq_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+
+    if (tc_begin < tc_end) {
+        load_tile_h<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
+        load_tile_h<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+    }
+    for (int tc = tc_begin; tc < tc_end; ++tc) {
+        const int k0 = tc * DQ_BC;
+        load_tile_h<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_h<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        // Qi, dOi, Kj, Vj are in shared memory for every thread.
+        __syncthreads();
+
+        // Sij = Qi Kj^T, dPij = dOi Vj^T (16 x DQ_BC per warp).
+        float s[DQ_BC / 8][4], dp[DQ_BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            if (16 * ks < D) {
+                u32 aq[4], ado[4];
+                load_a(aq, Qi, LDH, row_w, 16 * ks, lane);
+                load_a(ado, dOi, LDH, row_w, 16 * ks, lane);
+#pragma unroll
+                for (int np = 0; np < DQ_BC / 16; ++np) {
+                    u32 bk[4], bv[4];
+                    load_b_nk(bk, Kj, LDH, 16 * np, 16 * ks, lane);
+                    load_b_nk(bv, Vj, LDH, 16 * np, 16 * ks, lane);
+                    mma16816(s[2 * np], aq, bk[0], bk[1]);
+                    mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
+                    mma16816(dp[2 * np], ado, bv[0], bv[1]);
+                    mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
+                }
+            }
+        }
+
+        // dSij = Pij o (dPij - Di), kept in registers (C layout).
+        const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC);
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int i = q0 + row_w + g + 8 * r, j = k0 + 8 * n + 2 * t + (e & 1);
+                const float x = need_mask ? masked_score(s[n][e], scale_log2, mp, mask_bh, i, j)
+                                          : s[n][e] * scale_log2;
+                const float p = (l2[r] == NEG_INF) ? 0.f : exp2_fast(x - l2[r]);
+                s[n][e] = p * (dp[n][e] - di[r]);
+            }
+        }
+
+        // dQi += dSij Kj, dSij rounded to elem_t straight from the C fragments.
+#pragma unroll
+        for (int kk = 0; kk < DQ_BC / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < HEAD_DIM / 16; ++np) {
+                if (16 * np < D) {
+                    u32 bk[4];
+                    load_b_kn(bk, Kj, LDH, 16 * np, 16 * kk, lane);
+                    mma16816(dq_acc[2 * np], a, bk[0], bk[1]);
+                    mma16816(dq_acc[2 * np + 1], a, bk[2], bk[3]);
+                }
+            }
+        }
+        // Every warp is done with Kj and Vj before the next tile overwrites them.
+        __syncthreads();
+    }
+
+    elem_t *dQg = dQ + (i64)b * dq_sb + (i64)h * dq_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        if (i < Nq) {
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n)
+                store_pair(dQg + (i64)i * dq_sn, 8 * n + 2 * t, D, scale * dq_acc[n][2 * r],
+                           scale * dq_acc[n][2 * r + 1], vec);
+        }
+    }
+}
+
+// --------------------------------------------------------------- convert dQ
+// dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled), rounded.
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int H, int Nq, int D, i64 total,
+                     i64 dq_sb, i64 dq_sh, i64 dq_sn) {
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const int d = (int)(idx % D);
+        const i64 row = idx / D;
+        const int i = (int)(row % Nq);
+        const i64 bh = row / Nq;
+        const int h = (int)(bh % H), b = (int)(bh / H);
+        dQ[(i64)b * dq_sb + (i64)h * dq_sh + (i64)i * dq_sn + d] = from_float(dQacc[idx]);
+    }
+}

@@ -1,0 +1,182 @@
+// flash_common_f16.cuh -- pieces shared by the float16/bfloat16 passes
+// (flash_fwd_f16.cu, flash_bwd_f16.cu).  pycudaflash.compiler pastes it after
+// flash_common.cuh (masks, cp.async) and before the pass, with the defines:
+//   ELEM_BF16  0: float16 inputs and outputs, 1: bfloat16.
+//   HEAD_DIM   padded head dim of the variant (64, 96, 128, 192, 256).
+//
+// Matrix products run as mma.sync.m16n8k16 with float32 accumulators.  Lane
+// = 4*g + t (g = lane/4, t = lane%4); each 32-bit register holds two 16-bit
+// values, the lower column/k index in the low half:
+//   A (16x16, row-major): a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B (16x8, k x n):      b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+//   C (16x8):             c0,c1 (g, 2t..2t+1)   c2,c3 (g+8, 2t..2t+1)
+// The C fragments of two adjacent 8-column tiles, packed in pairs, are exactly
+// the A fragment of the 16-wide k step they cover; P and dS therefore feed the
+// next product from registers where the layout allows.
+//
+// Shared-memory tiles are row-major with rows padded by 8 elements (16 bytes):
+// a row stride of 16 (mod 128) bytes puts the eight 16-byte rows one ldmatrix
+// phase reads in eight different bank groups, so every ldmatrix (plain and
+// transposed) and every 16-byte cp.async is free of bank conflicts.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef ELEM_BF16
+#define ELEM_BF16 0
+#endif
+static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a whole number of 16-wide k steps");
+
+#if ELEM_BF16
+typedef __nv_bfloat16 elem_t;
+#define MMA_ELEM "bf16"
+#else
+typedef __half elem_t;
+#define MMA_ELEM "f16"
+#endif
+
+#define SMEM_PAD_H 8                        // elements of padding per shared row
+#define LDH (HEAD_DIM + SMEM_PAD_H)         // row stride of [rows][HEAD_DIM] tiles
+#define ELEMS_PER_16B 8
+
+__device__ __forceinline__ float to_float(elem_t x) {
+#if ELEM_BF16
+    return __bfloat162float(x);
+#else
+    return __half2float(x);
+#endif
+}
+
+__device__ __forceinline__ elem_t from_float(float x) {
+#if ELEM_BF16
+    return __float2bfloat16_rn(x);
+#else
+    return __float2half_rn(x);
+#endif
+}
+
+// Two floats rounded to elem_t and packed (lo in the low half).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#if ELEM_BF16
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#else
+    __half2 v = __floats2half2_rn(lo, hi);
+#endif
+    return *reinterpret_cast<u32 *>(&v);
+}
+
+// c += a * b, one m16n8k16 tile.
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Four 8x8 matrices; lane l gives the row address of matrix l/8, row l%8.
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const elem_t *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], const elem_t *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// A fragment (16 x 16) of a row-major tile: rows m0.., columns k0...
+__device__ __forceinline__ void load_a(u32 (&a)[4], const elem_t *tile, int ld, int m0, int k0, int lane) {
+    ldsm_x4(a, tile + (m0 + (lane & 15)) * ld + k0 + ((lane >> 4) << 3));
+}
+
+// A fragment (16 x 16) of the transpose of a row-major tile T: A(m, k) = T(k0 + k, m0 + m).
+__device__ __forceinline__ void load_a_t(u32 (&a)[4], const elem_t *tile, int ld, int m0, int k0, int lane) {
+    // matrices: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+    const int k = k0 + (lane & 7) + ((lane >> 4) << 3);
+    const int m = m0 + (((lane >> 3) & 1) << 3);
+    ldsm_x4_t(a, tile + k * ld + m);
+}
+
+// B fragments of two adjacent 8-column tiles n0.., n0+8.. over k0..k0+15,
+// for B(k, n) = T(n, k) with T row-major ([n][k], e.g. K for Q K^T):
+// b[0], b[1] for columns n0..n0+7 and b[2], b[3] for n0+8..n0+15.
+__device__ __forceinline__ void load_b_nk(u32 (&b)[4], const elem_t *tile, int ld, int n0, int k0, int lane) {
+    const int n = n0 + (lane & 7) + ((lane >> 4) << 3);
+    const int k = k0 + (((lane >> 3) & 1) << 3);
+    ldsm_x4(b, tile + n * ld + k);
+}
+
+// The same for B(k, n) = T(k, n) with T row-major ([k][n], e.g. V for P V).
+__device__ __forceinline__ void load_b_kn(u32 (&b)[4], const elem_t *tile, int ld, int n0, int k0, int lane) {
+    const int k = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int n = n0 + ((lane >> 4) << 3);
+    ldsm_x4_t(b, tile + k * ld + n);
+}
+
+// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
+// global matrix (row stride `stride` elements, `nrows` rows, `ncols` = D
+// valid columns) into smem[ROWS][LDH]; everything outside is zero-filled.
+// vec: 16-byte cp.async (D % 8 == 0, 16-byte aligned base and row stride);
+// otherwise element-wise loads and stores (visible after the next barrier).
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile_h(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
+                                            int ncols, bool vec, int tid) {
+    if (vec) {
+        constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
+        constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            const int c = tid + it * NTHREADS;
+            if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
+                const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
+                const bool ok = (row0 + r < nrows) && (col < ncols);
+                const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
+                cp_async16((float *)(smem + r * LDH + col), (const float *)src, ok);
+            }
+        }
+    } else {
+        const elem_t zero = from_float(0.f);
+        for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
+            const int r = c / HEAD_DIM, col = c % HEAD_DIM;
+            const bool ok = (row0 + r < nrows) && (col < ncols);
+            smem[r * LDH + col] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
+        }
+    }
+}
+
+// 2^x for x <= 0 or -inf (softmax exponents): the hardware approximation,
+// flushing results below the smallest normal float to 0.
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Store two adjacent output columns (d, d+1) of one row; pairs are 4-byte
+// aligned when vec holds (D even, aligned rows).
+__device__ __forceinline__ void store_pair(elem_t *row, int d, int D, float x0, float x1, bool vec) {
+    if (vec && d + 1 < D) {
+        *reinterpret_cast<u32 *>(row + d) = pack2(x0, x1);
+    } else {
+        if (d < D) row[d] = from_float(x0);
+        if (d + 1 < D) row[d + 1] = from_float(x1);
+    }
+}
+
+// A dense float mask stored in elem_t, converted to the float32 the kernels
+// read: dst is contiguous with shape (n0, n1, n2, n3), src has element
+// strides s0..s3 (0 on broadcast dimensions).
+extern "C" __global__ void __launch_bounds__(256)
+flash_convert_mask(const elem_t *__restrict__ src, float *__restrict__ dst, i64 n1, i64 n2, i64 n3, i64 s0,
+                   i64 s1, i64 s2, i64 s3, i64 total) {
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const i64 i3 = idx % n3, r3 = idx / n3;
+        const i64 i2 = r3 % n2, r2 = r3 / n2;
+        const i64 i1 = r2 % n1, i0 = r2 / n1;
+        dst[idx] = to_float(src[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
+    }
+}
