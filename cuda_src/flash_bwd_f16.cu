@@ -30,8 +30,9 @@
 // 64 x 32 for 256).  Shared memory: Kj, Vj
 // [Bc][LDH]; Qi, dOi [2][Br][LDH] (double buffered: the next query tile loads
 // while this one is used); Pij, dSij [Br][Bc+8]; Li, Di [Br].  Each product
-// spreads its output over the warps as a grid of 16-row x (8*NT)-column warp
-// tiles: Sij, dPij (Br x Bc), dVj, dKj (Bc x HEAD_DIM), dQi (Br x HEAD_DIM).
+// spreads its output over the warps as a grid of (16*MT)-row x (8*NT)-column
+// warp tiles: Sij, dPij (Br x Bc, MT = 1), dVj, dKj (Bc x HEAD_DIM, MT =
+// KV_MT), dQi (Br x HEAD_DIM, MT = Q_MT).
 // Pij and dSij pass through shared memory because dVj and dKj read them
 // transposed (ldmatrix.trans) and dQi with another warp grid.
 // Tile layout (dq): DQ_WARPS warps of 16 query rows, DQ_BC keys a step; dSij
@@ -61,19 +62,53 @@
 #define SW_M (BWD_BR / 16)          // Sij, dPij: row groups
 #define SW_N (BWD_WARPS / SW_M)     //            column groups
 #define NT_S (BWD_BC / (8 * SW_N))  //            8-wide tiles per warp
-#define S_CHUNK (NT_S < 4 ? NT_S : 4)  //         of which computed at once
-#define KW_M (BWD_BC / 16)          // dKj, dVj
+#ifndef S_CHUNK                    //            of which computed at once
+#define S_CHUNK (NT_S < 4 ? NT_S : 4)
+#endif
+// dKj, dVj and dQi warp tiles hold KV_MT / Q_MT 16-row blocks: each B
+// fragment then feeds that many products (less shared-memory traffic).
+// (2 where that leaves each warp a whole number of 16-column pairs).
+#ifndef KV_MT
+#if BWD_BC % 32 == 0 && BWD_WARPS % (BWD_BC / 32) == 0 && (HEAD_DIM / (8 * (BWD_WARPS / (BWD_BC / 32)))) % 2 == 0
+#define KV_MT 2
+#else
+#define KV_MT 1
+#endif
+#endif
+#ifndef Q_MT
+#if BWD_BR % 32 == 0 && BWD_WARPS % (BWD_BR / 32) == 0 && (HEAD_DIM / (8 * (BWD_WARPS / (BWD_BR / 32)))) % 2 == 0
+#define Q_MT 2
+#else
+#define Q_MT 1
+#endif
+#endif
+#define KW_M (BWD_BC / (16 * KV_MT))  // dKj, dVj
 #define KW_N (BWD_WARPS / KW_M)
 #define NT_KV (HEAD_DIM / (8 * KW_N))
-#define QW_M (BWD_BR / 16)          // dQi
+#define QW_M (BWD_BR / (16 * Q_MT))   // dQi
 #define QW_N (BWD_WARPS / QW_M)
 #define NT_Q (HEAD_DIM / (8 * QW_N))
 
 static_assert(SW_M * SW_N == BWD_WARPS && NT_S * 8 * SW_N == BWD_BC, "Sij warp grid covers the tile");
-static_assert(KW_M * KW_N == BWD_WARPS && NT_KV * 8 * KW_N == HEAD_DIM, "dKj warp grid covers the tile");
-static_assert(QW_M * QW_N == BWD_WARPS && NT_Q * 8 * QW_N == HEAD_DIM, "dQi warp grid covers the tile");
+static_assert(KW_M * KW_N == BWD_WARPS && KW_M * 16 * KV_MT == BWD_BC && NT_KV * 8 * KW_N == HEAD_DIM,
+              "dKj warp grid covers the tile");
+static_assert(QW_M * QW_N == BWD_WARPS && QW_M * 16 * Q_MT == BWD_BR && NT_Q * 8 * QW_N == HEAD_DIM,
+              "dQi warp grid covers the tile");
 static_assert(NT_S % S_CHUNK == 0 && S_CHUNK % 2 == 0 && NT_KV % 2 == 0 && NT_Q % 2 == 0, "warp tiles are whole 16-column pairs");
 static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0, "tiles are whole 16-wide k steps");
+
+// Unrolling of the head-dim loop of Sij and dPij: in full where registers
+// allow; the element-wise mask code of MASK_MODE 1/2 needs registers of its
+// own, so there the loop is unrolled by 2 (a full unroll would spill).
+#ifndef BWD_KS_UNROLL
+#if LEAN_REGISTERS
+#define BWD_KS_UNROLL 1
+#else
+#define BWD_KS_UNROLL (MASK_MODE == 0 ? HEAD_DIM / 16 : 2)
+#endif
+#endif
+constexpr int kBwdKsUnroll = BWD_KS_UNROLL;  // (#pragma unroll takes no macros)
+constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for the dq kernel
 
 #define DQ_WARPS 4
 #define DQ_THREADS (DQ_WARPS * WARP_SIZE)
@@ -171,14 +206,16 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     // Warp tiles.
     const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);
-    const int kv_row = 16 * (warp % KW_M), kv_col = 8 * NT_KV * (warp / KW_M);
-    const int q_row = 16 * (warp % QW_M), q_col = 8 * NT_Q * (warp / QW_M);
+    const int kv_row = 16 * KV_MT * (warp % KW_M), kv_col = 8 * NT_KV * (warp / KW_M);
+    const int q_row = 16 * Q_MT * (warp % QW_M), q_col = 8 * NT_Q * (warp / QW_M);
 
-    float dv_acc[NT_KV][4], dk_acc[NT_KV][4];
+    float dv_acc[KV_MT][NT_KV][4], dk_acc[KV_MT][NT_KV][4];
 #pragma unroll
-    for (int n = 0; n < NT_KV; ++n)
+    for (int mt = 0; mt < KV_MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dv_acc[n][e] = dk_acc[n][e] = 0.f;
+        for (int n = 0; n < NT_KV; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dv_acc[mt][n][e] = dk_acc[mt][n][e] = 0.f;
 
     if (tr_begin < tr_end) {
         // Kj, Vj and the first Qi, dOi.
@@ -221,22 +258,20 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
             for (int n = 0; n < S_CHUNK; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll kBwdKsUnroll
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {  // (zero-filled columns past D add nothing)
+                u32 aq[4], ado[4];
+                load_a(aq, Qi, LDH, s_row, 16 * ks, lane);
+                load_a(ado, dOi, LDH, s_row, 16 * ks, lane);
 #pragma unroll
-            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-                if (16 * ks < D) {
-                    u32 aq[4], ado[4];
-                    load_a(aq, Qi, LDH, s_row, 16 * ks, lane);
-                    load_a(ado, dOi, LDH, s_row, 16 * ks, lane);
-#pragma unroll
-                    for (int np = 0; np < S_CHUNK / 2; ++np) {
-                        u32 bk[4], bv[4];
-                        load_b_nk(bk, Kj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
-                        load_b_nk(bv, Vj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
-                        mma16816(s[2 * np], aq, bk[0], bk[1]);
-                        mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
-                        mma16816(dp[2 * np], ado, bv[0], bv[1]);
-                        mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
-                    }
+                for (int np = 0; np < S_CHUNK / 2; ++np) {
+                    u32 bk[4], bv[4];
+                    load_b_nk(bk, Kj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
+                    load_b_nk(bv, Vj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
+                    mma16816(s[2 * np], aq, bk[0], bk[1]);
+                    mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
+                    mma16816(dp[2 * np], ado, bv[0], bv[1]);
+                    mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
                 }
             }
 
@@ -268,54 +303,65 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         // dVj += Pij^T dOi, dKj += dSij^T Qi (scale applied at the end).
 #pragma unroll
         for (int kk = 0; kk < BWD_BR / 16; ++kk) {
-            u32 ap[4], ads[4];
-            load_a_t(ap, Pij, LDS, kv_row, 16 * kk, lane);
-            load_a_t(ads, dSij, LDS, kv_row, 16 * kk, lane);
+            u32 ap[KV_MT][4], ads[KV_MT][4];
 #pragma unroll
-            for (int np = 0; np < NT_KV / 2; ++np) {
-                if (kv_col + 16 * np < D) {
-                    u32 bdo[4], bq[4];
-                    load_b_kn(bdo, dOi, LDH, kv_col + 16 * np, 16 * kk, lane);
-                    load_b_kn(bq, Qi, LDH, kv_col + 16 * np, 16 * kk, lane);
-                    mma16816(dv_acc[2 * np], ap, bdo[0], bdo[1]);
-                    mma16816(dv_acc[2 * np + 1], ap, bdo[2], bdo[3]);
-                    mma16816(dk_acc[2 * np], ads, bq[0], bq[1]);
-                    mma16816(dk_acc[2 * np + 1], ads, bq[2], bq[3]);
+            for (int mt = 0; mt < KV_MT; ++mt) {
+                load_a_t(ap[mt], Pij, LDS, kv_row + 16 * mt, 16 * kk, lane);
+                load_a_t(ads[mt], dSij, LDS, kv_row + 16 * mt, 16 * kk, lane);
+            }
+#pragma unroll
+            for (int np = 0; np < NT_KV / 2; ++np) {  // (columns past D come out 0 and are not stored)
+                u32 bdo[4], bq[4];
+                load_b_kn(bdo, dOi, LDH, kv_col + 16 * np, 16 * kk, lane);
+                load_b_kn(bq, Qi, LDH, kv_col + 16 * np, 16 * kk, lane);
+#pragma unroll
+                for (int mt = 0; mt < KV_MT; ++mt) {
+                    mma16816(dv_acc[mt][2 * np], ap[mt], bdo[0], bdo[1]);
+                    mma16816(dv_acc[mt][2 * np + 1], ap[mt], bdo[2], bdo[3]);
+                    mma16816(dk_acc[mt][2 * np], ads[mt], bq[0], bq[1]);
+                    mma16816(dk_acc[mt][2 * np + 1], ads[mt], bq[2], bq[3]);
                 }
             }
         }
 
         // dQi += scale * dSij Kj, added into the float32 accumulator.
         if (dQacc != nullptr) {
-            float dq[NT_Q][4];
+            float dq[Q_MT][NT_Q][4];
 #pragma unroll
-            for (int n = 0; n < NT_Q; ++n)
+            for (int mt = 0; mt < Q_MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+                for (int n = 0; n < NT_Q; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq[mt][n][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < BWD_BC / 16; ++kk) {
-                u32 a[4];
-                load_a(a, dSij, LDS, q_row, 16 * kk, lane);
+                u32 a[Q_MT][4];
+#pragma unroll
+                for (int mt = 0; mt < Q_MT; ++mt) load_a(a[mt], dSij, LDS, q_row + 16 * mt, 16 * kk, lane);
 #pragma unroll
                 for (int np = 0; np < NT_Q / 2; ++np) {
-                    if (q_col + 16 * np < D) {
-                        u32 bk[4];
-                        load_b_kn(bk, Kj, LDH, q_col + 16 * np, 16 * kk, lane);
-                        mma16816(dq[2 * np], a, bk[0], bk[1]);
-                        mma16816(dq[2 * np + 1], a, bk[2], bk[3]);
+                    u32 bk[4];
+                    load_b_kn(bk, Kj, LDH, q_col + 16 * np, 16 * kk, lane);
+#pragma unroll
+                    for (int mt = 0; mt < Q_MT; ++mt) {
+                        mma16816(dq[mt][2 * np], a[mt], bk[0], bk[1]);
+                        mma16816(dq[mt][2 * np + 1], a[mt], bk[2], bk[3]);
                     }
                 }
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = i0 + q_row + g + 8 * r;
-                if (i < Nq) {
-                    float *row = dQacc + (row_base + i) * D;
+            for (int mt = 0; mt < Q_MT; ++mt)
 #pragma unroll
-                    for (int n = 0; n < NT_Q; ++n)
-                        dq_add_pair(row, q_col + 8 * n + 2 * t, D, scale * dq[n][2 * r], scale * dq[n][2 * r + 1]);
+                for (int r = 0; r < 2; ++r) {
+                    const int i = i0 + q_row + 16 * mt + g + 8 * r;
+                    if (i < Nq) {
+                        float *row = dQacc + (row_base + i) * D;
+#pragma unroll
+                        for (int n = 0; n < NT_Q; ++n)
+                            dq_add_pair(row, q_col + 8 * n + 2 * t, D, scale * dq[mt][n][2 * r],
+                                        scale * dq[mt][n][2 * r + 1]);
+                    }
                 }
-            }
         }
     }
 
@@ -323,17 +369,20 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
     elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = k0 + kv_row + g + 8 * r;
-        if (j < Nk) {
+    for (int mt = 0; mt < KV_MT; ++mt)
 #pragma unroll
-            for (int n = 0; n < NT_KV; ++n) {
-                const int d = kv_col + 8 * n + 2 * t;
-                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk_acc[n][2 * r], scale * dk_acc[n][2 * r + 1], vec);
-                store_pair(dVg + (i64)j * dv_sn, d, D, dv_acc[n][2 * r], dv_acc[n][2 * r + 1], vec);
+        for (int r = 0; r < 2; ++r) {
+            const int j = k0 + kv_row + 16 * mt + g + 8 * r;
+            if (j < Nk) {
+#pragma unroll
+                for (int n = 0; n < NT_KV; ++n) {
+                    const int d = kv_col + 8 * n + 2 * t;
+                    store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk_acc[mt][n][2 * r],
+                               scale * dk_acc[mt][n][2 * r + 1], vec);
+                    store_pair(dVg + (i64)j * dv_sn, d, D, dv_acc[mt][n][2 * r], dv_acc[mt][n][2 * r + 1], vec);
+                }
             }
         }
-    }
 }
 
 // ------------------------------------------------------- deterministic dQ
@@ -404,22 +453,20 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
         for (int n = 0; n < DQ_BC / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll kDqKsUnroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {  // (zero-filled columns past D add nothing)
+            u32 aq[4], ado[4];
+            load_a(aq, Qi, LDH, row_w, 16 * ks, lane);
+            load_a(ado, dOi, LDH, row_w, 16 * ks, lane);
 #pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            if (16 * ks < D) {
-                u32 aq[4], ado[4];
-                load_a(aq, Qi, LDH, row_w, 16 * ks, lane);
-                load_a(ado, dOi, LDH, row_w, 16 * ks, lane);
-#pragma unroll
-                for (int np = 0; np < DQ_BC / 16; ++np) {
-                    u32 bk[4], bv[4];
-                    load_b_nk(bk, Kj, LDH, 16 * np, 16 * ks, lane);
-                    load_b_nk(bv, Vj, LDH, 16 * np, 16 * ks, lane);
-                    mma16816(s[2 * np], aq, bk[0], bk[1]);
-                    mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
-                    mma16816(dp[2 * np], ado, bv[0], bv[1]);
-                    mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
-                }
+            for (int np = 0; np < DQ_BC / 16; ++np) {
+                u32 bk[4], bv[4];
+                load_b_nk(bk, Kj, LDH, 16 * np, 16 * ks, lane);
+                load_b_nk(bv, Vj, LDH, 16 * np, 16 * ks, lane);
+                mma16816(s[2 * np], aq, bk[0], bk[1]);
+                mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
+                mma16816(dp[2 * np], ado, bv[0], bv[1]);
+                mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
             }
         }
 
@@ -448,12 +495,10 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
             a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int np = 0; np < HEAD_DIM / 16; ++np) {
-                if (16 * np < D) {
-                    u32 bk[4];
-                    load_b_kn(bk, Kj, LDH, 16 * np, 16 * kk, lane);
-                    mma16816(dq_acc[2 * np], a, bk[0], bk[1]);
-                    mma16816(dq_acc[2 * np + 1], a, bk[2], bk[3]);
-                }
+                u32 bk[4];
+                load_b_kn(bk, Kj, LDH, 16 * np, 16 * kk, lane);
+                mma16816(dq_acc[2 * np], a, bk[0], bk[1]);
+                mma16816(dq_acc[2 * np + 1], a, bk[2], bk[3]);
             }
         }
         // Every warp is done with Kj and Vj before the next tile overwrites them.

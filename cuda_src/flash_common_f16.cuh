@@ -35,6 +35,15 @@ typedef __half elem_t;
 #define MMA_ELEM "f16"
 #endif
 
+// sm_8x allocates registers differently: there the loops over the head dim
+// are unrolled less (no software pipelining of the fragment loads), which keeps
+// every variant free of local-memory spills; sm_90 gets the full schedule.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define LEAN_REGISTERS 1
+#else
+#define LEAN_REGISTERS 0
+#endif
+
 #define SMEM_PAD_H 8                        // elements of padding per shared row
 #define LDH (HEAD_DIM + SMEM_PAD_H)         // row stride of [rows][HEAD_DIM] tiles
 #define ELEMS_PER_16B 8

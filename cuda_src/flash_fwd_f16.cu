@@ -55,13 +55,6 @@
 static_assert(BC % 16 == 0, "key tile is a whole number of 16-wide k steps for Pij Vj");
 static_assert(HEAD_DIM % 16 == 0, "head dim is a whole number of 16-wide tiles");
 
-// Unrolling of the k loop of Qi Kj^T: a full unroll lets the compiler hoist
-// every fragment load and run out of registers.
-#ifndef FWD_KS_UNROLL
-#define FWD_KS_UNROLL 2
-#endif
-constexpr int kFwdKsUnroll = FWD_KS_UNROLL;  // (#pragma unroll takes no macros)
-
 #ifndef FWD_MIN_BLOCKS
 #define FWD_MIN_BLOCKS 1
 #endif
@@ -130,30 +123,59 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         load_tile_h<BC, FWD_THREADS>(Vj, Vg, v_sn, k0, Nk, D, vec, tid);
         cp_async_commit();
 
-        // Sij = Qi Kj^T (16 x BC per row block), k steps past D skipped.
+        // Sij = Qi Kj^T (16 x BC per row block).  The fragments of k step
+        // ks + 1 load while the products of step ks run; zero-filled head-dim
+        // columns past D add nothing.
         float s[FWD_MT][S_TILES][4];
 #pragma unroll
         for (int mt = 0; mt < FWD_MT; ++mt)
 #pragma unroll
             for (int n = 0; n < S_TILES; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-#pragma unroll kFwdKsUnroll
+#if LEAN_REGISTERS
+#pragma unroll 1
         for (int ks = 0; ks < K_STEPS; ++ks) {
-            if (16 * ks < D) {
-                u32 a[FWD_MT][4];
+            u32 a[FWD_MT][4];
 #pragma unroll
-                for (int mt = 0; mt < FWD_MT; ++mt) load_a(a[mt], Qi, LDH, row_w + 16 * mt, 16 * ks, lane);
+            for (int mt = 0; mt < FWD_MT; ++mt) load_a(a[mt], Qi, LDH, row_w + 16 * mt, 16 * ks, lane);
 #pragma unroll
-                for (int np = 0; np < S_TILES / 2; ++np) {
-                    u32 bf[4];
-                    load_b_nk(bf, Kj, LDH, 16 * np, 16 * ks, lane);
+            for (int np = 0; np < S_TILES / 2; ++np) {
+                u32 bf[4];
+                load_b_nk(bf, Kj, LDH, 16 * np, 16 * ks, lane);
 #pragma unroll
-                    for (int mt = 0; mt < FWD_MT; ++mt) {
-                        mma16816(s[mt][2 * np], a[mt], bf[0], bf[1]);
-                        mma16816(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-                    }
+                for (int mt = 0; mt < FWD_MT; ++mt) {
+                    mma16816(s[mt][2 * np], a[mt], bf[0], bf[1]);
+                    mma16816(s[mt][2 * np + 1], a[mt], bf[2], bf[3]);
                 }
             }
         }
+#else
+        {
+            u32 a[2][FWD_MT][4], bf[2][S_TILES / 2][4];
+#pragma unroll
+            for (int mt = 0; mt < FWD_MT; ++mt) load_a(a[0][mt], Qi, LDH, row_w + 16 * mt, 0, lane);
+#pragma unroll
+            for (int np = 0; np < S_TILES / 2; ++np) load_b_nk(bf[0][np], Kj, LDH, 16 * np, 0, lane);
+#pragma unroll
+            for (int ks = 0; ks < K_STEPS; ++ks) {
+                const int cur = ks & 1;
+                if (ks + 1 < K_STEPS) {
+#pragma unroll
+                    for (int mt = 0; mt < FWD_MT; ++mt)
+                        load_a(a[cur ^ 1][mt], Qi, LDH, row_w + 16 * mt, 16 * (ks + 1), lane);
+#pragma unroll
+                    for (int np = 0; np < S_TILES / 2; ++np)
+                        load_b_nk(bf[cur ^ 1][np], Kj, LDH, 16 * np, 16 * (ks + 1), lane);
+                }
+#pragma unroll
+                for (int np = 0; np < S_TILES / 2; ++np)
+#pragma unroll
+                    for (int mt = 0; mt < FWD_MT; ++mt) {
+                        mma16816(s[mt][2 * np], a[cur][mt], bf[cur][np][0], bf[cur][np][1]);
+                        mma16816(s[mt][2 * np + 1], a[cur][mt], bf[cur][np][2], bf[cur][np][3]);
+                    }
+            }
+        }
+#endif
 
         // Scale to log2 units and apply the masks on boundary tiles.
         const bool need_mask = tile_needs_mask(mp, q0, BR, k0, BC);
@@ -219,15 +241,13 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                 p[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
 #pragma unroll
-            for (int dp = 0; dp < O_TILES / 2; ++dp) {
-                if (16 * dp < D) {
-                    u32 bf[4];
-                    load_b_kn(bf, Vj, LDH, 16 * dp, 16 * kk, lane);
+            for (int dp = 0; dp < O_TILES / 2; ++dp) {  // (zero-filled columns past D give zeros)
+                u32 bf[4];
+                load_b_kn(bf, Vj, LDH, 16 * dp, 16 * kk, lane);
 #pragma unroll
-                    for (int mt = 0; mt < FWD_MT; ++mt) {
-                        mma16816(o_acc[mt][2 * dp], p[mt], bf[0], bf[1]);
-                        mma16816(o_acc[mt][2 * dp + 1], p[mt], bf[2], bf[3]);
-                    }
+                for (int mt = 0; mt < FWD_MT; ++mt) {
+                    mma16816(o_acc[mt][2 * dp], p[mt], bf[0], bf[1]);
+                    mma16816(o_acc[mt][2 * dp + 1], p[mt], bf[2], bf[3]);
                 }
             }
         }

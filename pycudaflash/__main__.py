@@ -26,6 +26,8 @@ import numpy as np
 #: Relative-norm error bound of the ``check`` command for float32 results.
 #: A sanity bound only; the tests hold the backends to tighter ones.
 CHECK_BOUND_FLOAT32 = 1e-5
+#: Sanity bounds per dtype (16-bit inputs: a few units of the type's rounding).
+CHECK_BOUNDS = {"float32": CHECK_BOUND_FLOAT32, "float16": 2e-3, "bfloat16": 1.5e-2}
 
 
 # --------------------------------------------------------------------------
@@ -247,19 +249,27 @@ class _CudaRunner(_Runner):
         cuda_backend.deactivate()
 
 
-def _run_case(case: Case, runner: _Runner, rng: np.random.Generator) -> Row:
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _run_case(case: Case, runner: _Runner, rng: np.random.Generator, dtype: str = "float32") -> Row:
     from .reference import reference_backward, reference_forward
     from .testing import relative_error
 
     dims = case.cuda if runner.name == "cuda" else case.numpy
     B, H, Nq, Nk, D = dims
     row = Row(case.name, dims)
-    f32 = np.float32
+    dt = _np_dtype(dtype)
     arrays = {
-        "q": rng.standard_normal((B, H, Nq, D)).astype(f32),
-        "k": rng.standard_normal((B, H, Nk, D)).astype(f32),
-        "v": rng.standard_normal((B, H, Nk, D)).astype(f32),
-        "dout": rng.standard_normal((B, H, Nq, D)).astype(f32),
+        "q": rng.standard_normal((B, H, Nq, D)).astype(dt),
+        "k": rng.standard_normal((B, H, Nk, D)).astype(dt),
+        "v": rng.standard_normal((B, H, Nk, D)).astype(dt),
+        "dout": rng.standard_normal((B, H, Nq, D)).astype(dt),
     }
     kw = case.extras(dims, rng)
     try:
@@ -327,8 +337,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"backend: {backend} (requested)")
 
     cases = [c for c in CASES if c.quick] if args.quick else list(CASES)
-    bound = CHECK_BOUND_FLOAT32
-    print(f"dtype float32, seed {args.seed}, {len(cases)} cases, "
+    bound = CHECK_BOUNDS[args.dtype]
+    print(f"dtype {args.dtype}, seed {args.seed}, {len(cases)} cases, "
           f"bound {bound:.0e} on each relative-norm error against the float64 reference")
     if backend == "cuda":
         print("times: median device time from CUDA events (ms)")
@@ -346,7 +356,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         for case in cases:
-            rows.append(_run_case(case, runner, rng))
+            rows.append(_run_case(case, runner, rng, args.dtype))
     finally:
         runner.close()
     elapsed = time.perf_counter() - t0
@@ -450,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--backend", choices=("cuda", "numpy"), default=None,
                          help="backend to check (default: cuda when usable, else numpy)")
     p_check.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p_check.add_argument("--dtype", choices=tuple(CHECK_BOUNDS), default="float32",
+                         help="input dtype (default float32)")
     p_check.add_argument("--quick", action="store_true", help="run a smaller set of cases")
     p_check.set_defaults(func=cmd_check)
     p_info = sub.add_parser("info", help="print versions, backends, device and kernel cache")

@@ -9,18 +9,41 @@ Two kinds of arrays are understood, without importing torch or cupy:
 
 Strides are always given in elements; a byte stride that is not a multiple
 of the item size is rejected.
+
+Opaque element types
+--------------------
+``__cuda_array_interface__`` has no type string for bfloat16: torch exports
+it as ``'<V2'``, an opaque 2-byte type that could just as well be float16 or
+int16.  Such an element type is never guessed.  It is identified, in this
+order, by
+
+1. the object's ``__dlpack__`` capsule (torch and cupy have one), whose
+   ``DLDataType`` names the type (:func:`dlpack_dtype`);
+2. an explicit dtype given by the caller (the ``dtype=`` keyword of the
+   public API), which must have the same item size.
+
+Without either, the operand is rejected with a ``TypeError`` that says how
+to name the type.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._problem import Operand
 
-__all__ = ["as_operand", "broadcast_operand", "describe_kind", "is_device_array", "is_read_only"]
+__all__ = [
+    "as_operand",
+    "broadcast_operand",
+    "describe_kind",
+    "dlpack_dtype",
+    "is_device_array",
+    "is_read_only",
+]
 
 
 def _detached_view(obj: Any) -> Any:
@@ -56,7 +79,7 @@ def is_device_array(obj: Any) -> bool:
         return False
 
 
-def as_operand(obj: Any, name: str) -> Operand:
+def as_operand(obj: Any, name: str, opaque_dtype: Optional[np.dtype] = None) -> Operand:
     """Describe a numpy array or a CUDA array-interface object as an :class:`Operand`.
 
     Parameters
@@ -65,6 +88,11 @@ def as_operand(obj: Any, name: str) -> Operand:
         The caller's array.
     name : str
         Argument name, used in error messages.
+    opaque_dtype : numpy.dtype, optional
+        Element type of a device array whose ``__cuda_array_interface__``
+        type string is opaque (``'<V2'``) and that has no ``__dlpack__`` to
+        identify it; it must have the opaque type's item size.  Ignored for
+        every other array.
 
     Returns
     -------
@@ -76,18 +104,18 @@ def as_operand(obj: Any, name: str) -> Operand:
     ------
     TypeError
         If ``obj`` is neither kind of array, or its element type cannot be
-        identified from ``__cuda_array_interface__``.
+        identified (see the module docstring).
     ValueError
         If a byte stride is not a multiple of the item size.
     """
     if isinstance(obj, np.ndarray):
         return _host_operand(obj, name)
     if is_device_array(obj):
-        return _device_operand(obj, name)
+        return _device_operand(obj, name, opaque_dtype)
     view = _detached_view(obj)
     if view is not None:
         # A tensor that requires grad exports nothing; its detached view is the same memory.
-        return replace(_device_operand(view, name), obj=obj)
+        return replace(_device_operand(view, name, opaque_dtype), obj=obj)
     raise TypeError(
         f"{name} must be a numpy.ndarray or an object exposing __cuda_array_interface__ "
         f"(pycuda GPUArray, torch or cupy CUDA tensor), got {type(obj).__name__}"
@@ -110,7 +138,10 @@ def is_read_only(op: Operand) -> bool:
     """
     if op.kind == "host":
         return not op.array.flags.writeable
-    data = op.obj.__cuda_array_interface__["data"]
+    source = op.obj if is_device_array(op.obj) else _detached_view(op.obj)
+    if source is None:
+        return False
+    data = source.__cuda_array_interface__["data"]
     return bool(data[1])
 
 
@@ -187,7 +218,7 @@ def _host_operand(arr: np.ndarray, name: str) -> Operand:
     )
 
 
-def _device_operand(obj: Any, name: str) -> Operand:
+def _device_operand(obj: Any, name: str, opaque_dtype: Optional[np.dtype] = None) -> Operand:
     """Operand for an object exposing ``__cuda_array_interface__``."""
     iface = obj.__cuda_array_interface__
     if not isinstance(iface, Mapping):
@@ -201,6 +232,8 @@ def _device_operand(obj: Any, name: str) -> Operand:
         )
     shape = _interface_shape(iface, name)
     dtype = _dtype_from_typestr(iface.get("typestr"), name)
+    if _is_opaque(dtype):
+        dtype = _identify_opaque(obj, dtype, iface["typestr"], name, opaque_dtype)
     ptr = _interface_pointer(iface, name)
     byte_strides = iface.get("strides")
     if byte_strides is None:
@@ -262,7 +295,12 @@ def _int_tuple(values: Any, name: str, what: str) -> Tuple[int, ...]:
 
 
 def _dtype_from_typestr(typestr: Any, name: str) -> np.dtype:
-    """numpy dtype of an array-interface ``typestr``; void/unknown types raise TypeError."""
+    """numpy dtype of an array-interface ``typestr``.
+
+    An opaque (void) type of non-zero size comes back as the plain void dtype
+    (``'<V2'``) for :func:`_identify_opaque`; object, structured and
+    zero-size types and unknown strings raise TypeError.
+    """
     if not isinstance(typestr, str):
         raise TypeError(
             f"{name}.__cuda_array_interface__['typestr'] must be a string, got {typestr!r}"
@@ -274,14 +312,271 @@ def _dtype_from_typestr(typestr: Any, name: str) -> np.dtype:
             f"{name} has element type {typestr!r} in __cuda_array_interface__, "
             "which numpy does not understand"
         ) from None
-    if dtype.kind in ("V", "O") or dtype.itemsize == 0:
+    if dtype.kind == "O" or dtype.itemsize == 0 or dtype.fields is not None:
         raise TypeError(
-            f"{name} has element type {typestr!r}: the {dtype.itemsize}-byte type cannot be "
-            "identified from __cuda_array_interface__ (torch exports bfloat16 this way); "
-            "bfloat16 device tensors need __dlpack__ support or an explicit dtype, "
-            "which will come with float16/bfloat16 support"
+            f"{name} has element type {typestr!r} in __cuda_array_interface__, "
+            "which is not a numeric type"
         )
     return dtype
+
+
+def _identify_opaque(
+    obj: Any, void: np.dtype, typestr: str, name: str, opaque_dtype: Optional[np.dtype]
+) -> np.dtype:
+    """The element type of a device array whose array interface says only ``'<Vn'``.
+
+    ``__dlpack__`` decides when the object has one; otherwise the caller's
+    explicit ``opaque_dtype`` (of the same item size); otherwise TypeError.
+    ``typestr`` is the interface's own spelling, for messages.
+    """
+    if _has_dlpack(obj):
+        dtype = dlpack_dtype(obj, name)
+        if dtype.itemsize != void.itemsize:
+            raise TypeError(
+                f"{name} has the {void.itemsize}-byte element type {typestr!r} in "
+                f"__cuda_array_interface__ but __dlpack__ reports {_dtype_label(dtype)} "
+                f"({dtype.itemsize} bytes)"
+            )
+        return dtype
+    if opaque_dtype is not None:
+        if opaque_dtype.itemsize != void.itemsize:
+            raise TypeError(
+                f"{name} has the opaque {void.itemsize}-byte element type {typestr!r} in "
+                f"__cuda_array_interface__, which dtype={_dtype_label(opaque_dtype)!r} "
+                f"({opaque_dtype.itemsize} bytes) cannot name"
+            )
+        return opaque_dtype
+    hint = (
+        "pass dtype='bfloat16' (or dtype='float16') to name it"
+        if void.itemsize == 2
+        else "pass dtype= to name it"
+    )
+    raise TypeError(
+        f"{name} has the opaque element type {typestr!r}: the {void.itemsize}-byte type cannot "
+        "be identified from __cuda_array_interface__ (torch exports bfloat16 this way) and "
+        f"{name} has no __dlpack__ that would identify it; {hint}, or pass a tensor that "
+        "supports __dlpack__ (torch, cupy)"
+    )
+
+
+def _is_opaque(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a plain void type (``'<V2'``), not a named 2-byte type."""
+    return dtype.type is np.void
+
+
+def _dtype_label(dtype: np.dtype) -> str:
+    """'bfloat16', 'float16', ... ('<V2' for a plain opaque type)."""
+    return dtype.str if _is_opaque(dtype) else dtype.name
+
+
+# --------------------------------------------------------------------------
+# DLPack: reading the element type from a capsule
+# --------------------------------------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [
+        ("dl_tensor", _DLTensor),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+    ]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+#: Capsule names of a legacy and of a versioned (DLPack >= 1.0) tensor.  A
+#: consumed capsule is renamed ``used_dltensor``; it is never consumed here.
+_CAPSULE_NAMES = (b"dltensor", b"dltensor_versioned")
+
+#: ``(DLDataType code, bits) -> dtype name`` of the element types understood
+#: here (code 2 is kDLFloat, 4 is kDLBfloat; one lane).
+_DLPACK_TYPES: Dict[Tuple[int, int], str] = {
+    (2, 16): "float16",
+    (2, 32): "float32",
+    (4, 16): "bfloat16",
+}
+
+_DLPACK_CODE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat",
+                      5: "complex", 6: "bool"}
+
+# Private prototypes, so that the shared ctypes.pythonapi functions keep the
+# signatures other code may have given them.
+_CAPSULE_IS_VALID = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_CAPSULE_GET_POINTER = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def _has_dlpack(obj: Any) -> bool:
+    """Whether ``obj`` has a callable ``__dlpack__``."""
+    try:
+        return callable(getattr(obj, "__dlpack__", None))
+    except Exception:
+        return False
+
+
+def _export_capsule(obj: Any, name: str) -> Any:
+    """``obj.__dlpack__()``, asking a device producer not to synchronise any stream.
+
+    For a producer on a CUDA or ROCm device (``__dlpack_device__``), or one
+    that does not say, ``stream=-1`` tells it (torch, cupy) to enqueue no
+    synchronisation, so that validation stays free of device work.  A host
+    producer, or one whose ``__dlpack__`` takes no ``stream``, is called
+    without it.
+    """
+    try:
+        device_type = _dlpack_device_type(obj)
+        if device_type is not None and device_type not in _STREAM_DEVICES:
+            return obj.__dlpack__()
+        try:
+            return obj.__dlpack__(stream=-1)
+        except TypeError:
+            return obj.__dlpack__()
+    except Exception as exc:
+        raise TypeError(
+            f"{name} has an opaque element type in __cuda_array_interface__ and its __dlpack__ "
+            f"failed ({type(exc).__name__}: {exc}); pass dtype= to name the type"
+        ) from exc
+
+
+#: DLPack device types whose producers take a stream: kDLCUDA, kDLCUDAHost,
+#: kDLROCM, kDLROCMHost, kDLCUDAManaged.
+_STREAM_DEVICES = (2, 3, 10, 11, 13)
+
+
+def _dlpack_device_type(obj: Any) -> Optional[int]:
+    """The device type from ``obj.__dlpack_device__()``, or None when it is unavailable."""
+    get = getattr(obj, "__dlpack_device__", None)
+    if not callable(get):
+        return None
+    try:
+        return int(get()[0])
+    except Exception:
+        return None
+
+
+def _capsule_type(capsule: Any) -> Tuple[int, int, int]:
+    """``(code, bits, lanes)`` of the ``DLDataType`` in a DLPack capsule.
+
+    The capsule is only read: it is neither renamed nor consumed, so its own
+    destructor releases the tensor when it is garbage collected.
+
+    Parameters
+    ----------
+    capsule : PyCapsule
+        Named ``'dltensor'`` (a ``DLManagedTensor``) or
+        ``'dltensor_versioned'`` (a ``DLManagedTensorVersioned``).
+
+    Returns
+    -------
+    tuple of int
+
+    Raises
+    ------
+    TypeError
+        If ``capsule`` is not an unconsumed DLPack capsule.
+    """
+    for cname in _CAPSULE_NAMES:
+        if _CAPSULE_IS_VALID(capsule, cname):
+            ptr = _CAPSULE_GET_POINTER(capsule, cname)
+            break
+    else:
+        raise TypeError(
+            f"__dlpack__ returned {type(capsule).__name__!s}, not an unconsumed DLPack capsule "
+            "named 'dltensor' or 'dltensor_versioned'"
+        )
+    if not ptr:
+        raise TypeError("__dlpack__ returned a capsule with a null pointer")
+    if cname == b"dltensor":
+        dt = _DLManagedTensor.from_address(ptr).dl_tensor.dtype
+    else:
+        dt = _DLManagedTensorVersioned.from_address(ptr).dl_tensor.dtype
+    return int(dt.code), int(dt.bits), int(dt.lanes)
+
+
+def dlpack_dtype(obj: Any, name: str = "array") -> np.dtype:
+    """The element type that ``obj.__dlpack__()`` declares, as a numpy dtype.
+
+    Only the metadata of the exported capsule is read, with no device work;
+    the capsule is then released as if it had never been requested.
+
+    Parameters
+    ----------
+    obj : object with ``__dlpack__``
+        A torch or cupy tensor, for instance.
+    name : str, optional
+        Argument name, used in error messages.
+
+    Returns
+    -------
+    numpy.dtype
+        float16, float32 or bfloat16 (``ml_dtypes.bfloat16``).
+
+    Raises
+    ------
+    TypeError
+        If ``__dlpack__`` fails or returns no DLPack capsule, if the element
+        type is any other (integers, vector lanes, float64, ...), or if it is
+        bfloat16 and ml_dtypes is not installed.
+    """
+    capsule = _export_capsule(obj, name)
+    try:
+        code, bits, lanes = _capsule_type(capsule)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    finally:
+        del capsule
+    type_name = _DLPACK_TYPES.get((code, bits)) if lanes == 1 else None
+    if type_name is None:
+        kind = _DLPACK_CODE_NAMES.get(code, f"code {code}")
+        lane_text = f" x {lanes} lanes" if lanes != 1 else ""
+        raise TypeError(
+            f"{name} has element type {kind}{bits}{lane_text} according to __dlpack__; "
+            f"expected one of {', '.join(sorted(set(_DLPACK_TYPES.values())))}"
+        )
+    if type_name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(
+                f"{name} is a bfloat16 tensor, which needs ml_dtypes: pip install ml_dtypes"
+            ) from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(type_name)
 
 
 def _element_strides(

@@ -50,9 +50,9 @@ def _build_dtype_table(names: Iterable[str]) -> Dict[np.dtype, str]:
 
 
 #: Names of the input dtypes (q, k, v, out, dout, dq, dk, dv) the kernels
-#: accept.  This is the single place to enable "float16" or "bfloat16" (the
-#: latter is only available when ml_dtypes is installed).
-SUPPORTED_DTYPE_NAMES: Tuple[str, ...] = ("float32",)
+#: accept.  bfloat16 host arrays are ``ml_dtypes.bfloat16`` numpy arrays (it is
+#: only available when ml_dtypes is installed, a dependency of the package).
+SUPPORTED_DTYPE_NAMES: Tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 #: ``numpy.dtype -> name`` for every supported input dtype.
 SUPPORTED_DTYPES: Dict[np.dtype, str] = _build_dtype_table(SUPPORTED_DTYPE_NAMES)
@@ -63,7 +63,8 @@ LSE_DTYPE = np.dtype(np.float32)
 #: Largest supported head dimension D.
 MAX_HEAD_DIM = 256
 
-#: Mask dtypes accepted besides the input dtype itself.
+#: Mask dtypes accepted besides the input dtype itself (a float16 or bfloat16
+#: bias is accepted with inputs of that dtype).
 _MASK_DTYPES = (np.dtype(np.bool_), np.dtype(np.float32))
 
 
@@ -94,6 +95,7 @@ def validate_forward(
     scale: Any = None,
     out: Any = None,
     lse: Any = None,
+    dtype: Any = None,
 ) -> Problem:
     """Check the arguments of a forward call and describe it as a :class:`Problem`.
 
@@ -105,6 +107,9 @@ def validate_forward(
         As in :func:`pycudaflash.flash_attn_forward`.
     out, lse : arrays, optional
         Output buffers, (B, H, Nq, D) with q's dtype and (B, H, Nq) float32.
+    dtype : str or dtype, optional
+        As in :func:`pycudaflash.flash_attn_forward`: names the element type
+        of opaque 2-byte device inputs, and must match q, k, v and out.
 
     Returns
     -------
@@ -114,22 +119,24 @@ def validate_forward(
     Raises
     ------
     TypeError
-        Unsupported objects or dtypes, mixed host and device arrays.
+        Unsupported objects or dtypes, mixed host and device arrays, an
+        element type that cannot be identified or that contradicts ``dtype``.
     ValueError
         Bad shapes, layouts, alignments or argument values.
     """
-    ops = _operands(q=q, k=k, v=v, out=out, lse=lse, mask=mask)
+    explicit = _explicit_dtype(dtype)
+    ops = _operands(q=q, k=k, v=v, out=out, lse=lse, mask=mask, opaque_dtype=explicit)
     _check_same_kind(ops)
     _check_ndim(ops, ("q", "k", "v", "out"))
     dims = _check_qkv_dims(ops["q"], ops["k"], ops["v"])
-    dtype = _check_dtypes(ops, ("q", "k", "v", "out"))
+    dtype = _check_dtypes(ops, ("q", "k", "v", "out"), explicit)
     _check_shape(ops["out"], (dims.B, dims.H, dims.Nq, dims.D), "(B, H, Nq, D)", "q")
     _check_lse(ops["lse"], dims)
     _check_layouts(ops, ("q", "k", "v", "out", "lse"))
     _check_outputs(ops, ("out", "lse"))
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
-        key_lengths=key_lengths, deterministic=False,
+        key_lengths=key_lengths, deterministic=False, opaque_dtype=explicit,
     )
 
 
@@ -150,6 +157,7 @@ def validate_backward(
     dq: Any = None,
     dk: Any = None,
     dv: Any = None,
+    dtype: Any = None,
 ) -> Problem:
     """Check the arguments of a backward call and describe it as a :class:`Problem`.
 
@@ -168,6 +176,10 @@ def validate_backward(
         Passed through to the problem.
     dq, dk, dv : arrays, optional
         Output buffers shaped like q, k and v.
+    dtype : str or dtype, optional
+        As in :func:`pycudaflash.flash_attn_backward`: names the element type
+        of opaque 2-byte device inputs, and must match dout, q, k, v, out, dq,
+        dk and dv.
 
     Returns
     -------
@@ -179,18 +191,20 @@ def validate_backward(
     ------
     TypeError
         Unsupported objects or dtypes, mixed host and device arrays, a
-        non-bool ``deterministic``.
+        non-bool ``deterministic``, an element type that cannot be identified
+        or that contradicts ``dtype``.
     ValueError
         Bad shapes, layouts, alignments or argument values.
     """
+    explicit = _explicit_dtype(dtype)
     ops = _operands(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, mask=mask,
-        required=("dout", "q", "k", "v", "out", "lse"),
+        required=("dout", "q", "k", "v", "out", "lse"), opaque_dtype=explicit,
     )
     _check_same_kind(ops)
     _check_ndim(ops, ("q", "k", "v", "dout", "out", "dq", "dk", "dv"))
     dims = _check_qkv_dims(ops["q"], ops["k"], ops["v"])
-    dtype = _check_dtypes(ops, ("q", "k", "v", "out", "dout", "dq", "dk", "dv"))
+    dtype = _check_dtypes(ops, ("q", "k", "v", "out", "dout", "dq", "dk", "dv"), explicit)
     q_shape = (dims.B, dims.H, dims.Nq, dims.D)
     k_shape = (dims.B, dims.H, dims.Nk, dims.D)
     for name in ("dout", "out", "dq"):
@@ -202,7 +216,7 @@ def validate_backward(
     _check_outputs(ops, ("dq", "dk", "dv"))
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
-        key_lengths=key_lengths, deterministic=deterministic,
+        key_lengths=key_lengths, deterministic=deterministic, opaque_dtype=explicit,
     )
 
 
@@ -211,8 +225,39 @@ def validate_backward(
 # --------------------------------------------------------------------------
 
 
+def _explicit_dtype(dtype: Any) -> Optional[np.dtype]:
+    """The supported numpy dtype named by the ``dtype=`` keyword (None when absent).
+
+    Accepts a name (``'bfloat16'``), a numpy dtype or scalar type
+    (``np.float16``, ``ml_dtypes.bfloat16``) or a torch dtype
+    (``torch.bfloat16``, recognised by its name without importing torch).
+    """
+    if dtype is None:
+        return None
+    supported = ", ".join(repr(name) for name in SUPPORTED_DTYPE_NAMES)
+    name: Optional[str] = None
+    if isinstance(dtype, str):
+        name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).rpartition(".")[2]
+    if name is not None and name in SUPPORTED_DTYPE_NAMES:
+        resolved = _named_dtype(name)
+    else:
+        try:
+            resolved = np.dtype(dtype if name is None else name)
+        except (TypeError, ValueError):
+            resolved = None
+    if resolved is None or resolved not in SUPPORTED_DTYPES:
+        if name == "bfloat16":
+            raise TypeError("dtype='bfloat16' needs ml_dtypes: pip install ml_dtypes")
+        raise TypeError(f"dtype must be None or one of {supported}, got {dtype!r}")
+    return resolved
+
+
 def _operands(
-    required: Sequence[str] = ("q", "k", "v"), **arrays: Any
+    required: Sequence[str] = ("q", "k", "v"),
+    opaque_dtype: Optional[np.dtype] = None,
+    **arrays: Any,
 ) -> Dict[str, Optional[Operand]]:
     """Operands for the given arrays (``None`` stays ``None`` unless required)."""
     ops: Dict[str, Optional[Operand]] = {}
@@ -220,7 +265,7 @@ def _operands(
         if obj is None and name not in required:
             ops[name] = None
             continue
-        ops[name] = as_operand(obj, name)
+        ops[name] = as_operand(obj, name, opaque_dtype)
     return ops
 
 
@@ -281,13 +326,29 @@ def _check_qkv_dims(q: Operand, k: Operand, v: Operand) -> _Dims:
 
 
 def _dtype_name(dtype: np.dtype) -> str:
-    """Readable dtype name ('float32', or '>f4' for a non-native byte order)."""
-    return dtype.name if dtype.isnative else dtype.str
+    """Readable dtype name ('float32', 'bfloat16', or '>f4' for a non-native byte order)."""
+    if dtype in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[dtype]
+    return dtype.name if dtype.isnative and dtype.type is not np.void else dtype.str
 
 
-def _check_dtypes(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> np.dtype:
-    """q's dtype must be supported and shared by every operand in ``names``."""
+def _check_dtypes(
+    ops: Dict[str, Optional[Operand]], names: Sequence[str], explicit: Optional[np.dtype] = None
+) -> np.dtype:
+    """q's dtype must be supported and shared by every operand in ``names``.
+
+    With an ``explicit`` dtype (the ``dtype=`` keyword) every operand in
+    ``names`` must have exactly that dtype.
+    """
     q = ops["q"]
+    if explicit is not None:
+        label = SUPPORTED_DTYPES[explicit]
+        for op in _present(ops, names):
+            if op.dtype != explicit:
+                raise TypeError(
+                    f"{op.name} has dtype {_dtype_name(op.dtype)} but dtype={label!r} was "
+                    f"given; {', '.join(names)} must all have the dtype that dtype= names"
+                )
     if q.dtype not in SUPPORTED_DTYPES:
         supported = ", ".join(SUPPORTED_DTYPES.values())
         raise TypeError(
@@ -387,6 +448,7 @@ def _make_problem(
     scale: Any,
     key_lengths: Any,
     deterministic: Any,
+    opaque_dtype: Optional[np.dtype] = None,
 ) -> Problem:
     """Check the non-array options and assemble the :class:`Problem`."""
     causal_mode = semantics.normalize_causal(causal)
@@ -394,7 +456,7 @@ def _make_problem(
     scale_value = _normalize_scale(scale, dims.D)
     deterministic = _check_deterministic(deterministic)
     mask_op, mask_kind = _check_mask(ops["mask"], dims, dtype)
-    lengths = _check_key_lengths(key_lengths, dims)
+    lengths = _check_key_lengths(key_lengths, dims, opaque_dtype)
     q = ops["q"]
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
@@ -441,7 +503,9 @@ def _check_mask(
     return broadcast, kind
 
 
-def _check_key_lengths(obj: Any, dims: _Dims) -> Optional[np.ndarray]:
+def _check_key_lengths(
+    obj: Any, dims: _Dims, opaque_dtype: Optional[np.dtype] = None
+) -> Optional[np.ndarray]:
     """Validated host int32 copy of ``key_lengths`` (shape (B,), values in [0, Nk])."""
     if obj is None:
         return None
@@ -450,7 +514,7 @@ def _check_key_lengths(obj: Any, dims: _Dims) -> Optional[np.ndarray]:
     elif isinstance(obj, np.ndarray):
         lengths = obj
     elif is_device_array(obj):
-        op = as_operand(obj, "key_lengths")
+        op = as_operand(obj, "key_lengths", opaque_dtype)
         _check_key_lengths_meta(op.shape, op.dtype, dims)
         _check_nonnegative_strides(op)
         _check_aligned(op)

@@ -16,6 +16,9 @@ from . import _validate, cpu
 from ._backends import choose_backend
 
 ArrayLike = Any
+#: A dtype name ('float32', 'float16', 'bfloat16'), a numpy dtype or scalar
+#: type (``ml_dtypes.bfloat16``), or a torch dtype.
+DTypeLike = Any
 
 
 def flash_attn_forward(
@@ -32,6 +35,7 @@ def flash_attn_forward(
     out: Optional[ArrayLike] = None,
     lse: Optional[ArrayLike] = None,
     backend: Optional[str] = None,
+    dtype: Optional[DTypeLike] = None,
 ) -> Tuple[ArrayLike, ArrayLike]:
     """Attention forward pass, ``out = softmax(scale * q k^T + bias) v``.
 
@@ -40,7 +44,8 @@ def flash_attn_forward(
     q : array, shape (B, H, Nq, D)
         Queries: a pycuda ``GPUArray``, any object exposing
         ``__cuda_array_interface__`` (torch, cupy), or a numpy array.  Any
-        strides with the last dimension contiguous.
+        strides with the last dimension contiguous.  dtype float32, float16
+        or bfloat16 (``ml_dtypes.bfloat16`` for numpy arrays).
     k, v : array, shape (B, H, Nk, D)
         Keys and values, same kind and dtype as ``q``.
     causal : bool or {'top_left', 'bottom_right'}, optional
@@ -51,8 +56,8 @@ def flash_attn_forward(
         (``off = Nk - Nq`` for bottom-right alignment, else 0); ``None`` or
         ``-1`` leaves a side unbounded.
     mask : array, optional
-        Broadcastable to (B, H, Nq, Nk).  bool: True = attend.  float: added
-        to the scaled scores (``-inf`` allowed).
+        Broadcastable to (B, H, Nq, Nk).  bool: True = attend.  float32 (or
+        the dtype of ``q``): added to the scaled scores (``-inf`` allowed).
     key_lengths : int array of shape (B,), optional
         Keys at or past ``key_lengths[b]`` are masked (padding).
     scale : float, optional
@@ -64,17 +69,25 @@ def flash_attn_forward(
     backend : {'cuda', 'numpy'}, optional
         Force a backend; by default device inputs run on CUDA and numpy inputs
         on CUDA when a GPU is usable, else on the NumPy backend.
+    dtype : str or dtype, optional
+        Names the element type of opaque 2-byte device inputs, e.g.
+        ``'bfloat16'``: ``__cuda_array_interface__`` exports bfloat16 as
+        ``'<V2'``, which does not say which 2-byte type it is.  Objects with
+        ``__dlpack__`` (torch, cupy) need no ``dtype``; their type is read
+        from DLPack.  When given, it must equal the dtype of q, k, v and out,
+        else ``TypeError``.
 
     Returns
     -------
     out : array, shape (B, H, Nq, D)
+        In the dtype of ``q``.
     lse : array, shape (B, H, Nq), float32
         Natural-log log-sum-exp of each row's scores; ``-inf`` for a row that
         sees no key (its ``out`` row is 0).
     """
     prob = _validate.validate_forward(
         q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-        scale=scale, out=out, lse=lse,
+        scale=scale, out=out, lse=lse, dtype=dtype,
     )
     which = choose_backend(prob, backend, stream)
     if which == "numpy":
@@ -103,6 +116,7 @@ def flash_attn_backward(
     dk: Optional[ArrayLike] = None,
     dv: Optional[ArrayLike] = None,
     backend: Optional[str] = None,
+    dtype: Optional[DTypeLike] = None,
 ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Attention backward pass from the forward's ``out`` and ``lse``.
 
@@ -123,16 +137,20 @@ def flash_attn_backward(
         Output buffers shaped like q, k and v.
     backend : {'cuda', 'numpy'}, optional
         As in :func:`flash_attn_forward`.
+    dtype : str or dtype, optional
+        As in :func:`flash_attn_forward`; when given it must equal the dtype
+        of dout, q, k, v, out, dq, dk and dv.
 
     Returns
     -------
     dq, dk, dv : arrays shaped like q, k, v
-        Gradients of the loss; rows that saw no key give zero gradients.
+        Gradients of the loss, in the dtype of ``q``; rows that saw no key
+        give zero gradients.
     """
     prob = _validate.validate_backward(
         dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
         key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-        dq=dq, dk=dk, dv=dv,
+        dq=dq, dk=dk, dv=dv, dtype=dtype,
     )
     which = choose_backend(prob, backend, stream)
     if which == "numpy":

@@ -105,8 +105,17 @@ class Tiles:
     fwd_mt: int = 1
 
 
-def tiles(head_dim: int, dtype: str = "float32") -> Tiles:
-    """Tile sizes for a head-dim bucket of a dtype; the kernels' defaults match these.
+def _lean(arch: Optional[str]) -> bool:
+    """Pre-Hopper architectures (smaller shared memory, tighter register allocation)."""
+    return arch is not None and int(arch.split("_")[1].rstrip("abf")) < 90
+
+
+def tiles(head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> Tiles:
+    """Tile sizes for a head-dim bucket of a dtype on ``arch`` (default: sm_90).
+
+    The kernels' defaults match the sm_90 choice.  Before sm_90 the 16-bit
+    kernels use one 16-row block per forward warp and query tiles that fit
+    163 KB of shared memory, which keeps them free of register spills.
 
     ``$PYCUDAFLASH_TILES`` overrides them for tuning experiments, e.g.
     ``"128:fwd_bc=32,bwd_br=32;h64:fwd_bc=128,fwd_mt=2"`` (an ``h`` before
@@ -114,7 +123,17 @@ def tiles(head_dim: int, dtype: str = "float32") -> Tiles:
     """
     half = dtype != "float32"
     big = head_dim > 128
-    if half:
+    if half and _lean(arch):
+        sizes = dict(
+            fwd_warps=4,
+            fwd_mt=1,
+            fwd_bc=64 if head_dim <= 128 else 32,
+            bwd_br=64 if head_dim <= 96 else 32,
+            bwd_bc=64 if big else 128,
+            dq_br=16 * DQ_WARPS,
+            dq_bc=16 if big else 32,
+        )
+    elif half:
         # Measured on the H200 (scripts/f16_tune.py): two 16-row blocks per
         # warp where the registers allow it.
         sizes = dict(
@@ -155,9 +174,9 @@ def _tile_overrides() -> Dict[str, Dict[str, int]]:
     return out
 
 
-def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32") -> int:
+def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> int:
     """Dynamic shared memory of a kernel, mirroring the layout in its .cu file."""
-    t = tiles(head_dim, dtype)
+    t = tiles(head_dim, dtype, arch)
     if dtype != "float32":
         ld = head_dim + SMEM_PAD_H
         if kernel == "flash_fwd_kernel":
@@ -180,7 +199,8 @@ def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32") -> int:
     return floats * FLOAT_BYTES
 
 
-def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32") -> Dict[str, int]:
+def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
+            arch: Optional[str] = None) -> Dict[str, int]:
     """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
@@ -189,7 +209,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32") -
         raise ValueError(f"pass {pass_!r} does not serve dtype {dtype!r}")
     if head_dim not in buckets(dtype):
         raise ValueError(f"head dim {head_dim} is not a bucket {buckets(dtype)}")
-    t = tiles(head_dim, dtype)
+    t = tiles(head_dim, dtype, arch)
     out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind]}
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
@@ -202,14 +222,14 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32") -
     return out
 
 
-def all_variants(dtypes: Tuple[str, ...] = DTYPES) -> Iterator[Tuple[str, Dict[str, int]]]:
-    """Every (pass, defines) the library can request."""
+def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -> Iterator[Tuple[str, Dict[str, int]]]:
+    """Every (pass, defines) the library can request on ``arch`` (default sm_90)."""
     for dtype in dtypes:
         for kind in ("fwd", "bwd"):
             pass_ = pass_name(kind, dtype)
             for hd in buckets(dtype):
                 for mk in MASK_MODES:
-                    yield pass_, defines(pass_, hd, mk, dtype)
+                    yield pass_, defines(pass_, hd, mk, dtype, arch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -400,7 +420,7 @@ def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None) -> List
 
     if arch is None:
         arch = arch_of_current_device()
-    todo = list(variants if variants is not None else all_variants())
+    todo = list(variants if variants is not None else all_variants(arch=arch))
 
     def build(item):
         pass_, defs = item

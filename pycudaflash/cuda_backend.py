@@ -304,11 +304,12 @@ def run_forward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     dt = _kernel_dtype(prob)
+    arch = compiler.arch_of_current_device()
     pass_ = compiler.pass_name("fwd", dt)
     hd = compiler.head_dim_bucket(D, dt)
-    defs = compiler.defines(pass_, hd, prob.mask_kind, dt)
-    tiles = compiler.tiles(hd, dt)
-    smem = compiler.smem_bytes("flash_fwd_kernel", hd, dt)
+    defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch)
+    tiles = compiler.tiles(hd, dt, arch)
+    smem = compiler.smem_bytes("flash_fwd_kernel", hd, dt, arch)
     fn = compiler.get_function(pass_, defs, "flash_fwd_kernel", _FWD_FORMAT, smem)
     conv = _mask_converter(prob, pass_, defs)
 
@@ -363,12 +364,13 @@ def run_backward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     dt = _kernel_dtype(prob)
+    arch = compiler.arch_of_current_device()
     pass_ = compiler.pass_name("bwd", dt)
     hd = compiler.head_dim_bucket(D, dt)
-    defs = compiler.defines(pass_, hd, prob.mask_kind, dt)
-    tiles = compiler.tiles(hd, dt)
-    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, dt)
-    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd, dt)
+    defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch)
+    tiles = compiler.tiles(hd, dt, arch)
+    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, dt, arch)
+    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd, dt, arch)
     f_pre = compiler.get_function(pass_, defs, "flash_bwd_preprocess", _PRE_FORMAT)
     f_kv = compiler.get_function(pass_, defs, "flash_bwd_dkdv_kernel", _DKDV_FORMAT, smem_kv)
     if prob.deterministic:

@@ -1,17 +1,21 @@
 """Tools for checking an attention implementation against a reference.
 
-Importable without PyCUDA or a GPU.  Three groups of helpers:
+Importable without PyCUDA or a GPU.  Four groups of helpers:
 
 * :func:`check` (and :class:`CheckResult`): one comparison of a computed array
   against a float64 reference, with a relative-norm bound, an element bound,
   and exact checks of the non-finite pattern (NaN, ``-inf``).
 * :func:`attention_problems` (a Hypothesis strategy), :func:`make_inputs` and
   :func:`attention_kwargs`: random attention problems with every masking
-  feature, odd sizes, broadcast masks and strided layouts.
+  feature, odd sizes, broadcast masks, strided layouts and float32, float16
+  or bfloat16 inputs.
 * :func:`noise_floors`: the size each result would have without
   cancellation, to scale :func:`check`'s ``atol`` for results that are
   legitimately tiny (``dq``/``dk`` of rows that see a single key, an ``out``
   element averaging a few random values).
+* :func:`lowp_reference_forward` and :func:`lowp_reference_backward`: a naive
+  attention computed in float16 or bfloat16 the way plain torch operations
+  compute it, the baseline that float16/bfloat16 results are held to.
 
 Example
 -------
@@ -49,6 +53,9 @@ __all__ = [
     "make_inputs",
     "attention_kwargs",
     "noise_floors",
+    "lowp_reference_forward",
+    "lowp_reference_backward",
+    "allowed_and_bias",
     "to_host",
     "numpy_dtype",
     "selected_profile",
@@ -331,18 +338,24 @@ def check(
     )
 
 
-def relative_error(out: Any, ref: Any) -> float:
+def relative_error(out: Any, ref: Any, floor: Any = None) -> float:
     """Relative-norm error ``||out - ref||_2 / ||ref||_2`` in float64.
 
     Only the elements where ``ref`` is finite are compared; the result is
     ``inf`` when ``out`` is not finite at one of them or does not reproduce a
-    non-finite entry of ``ref`` exactly.  When ``||ref||_2 == 0`` the absolute
-    norm ``||out - ref||_2`` is returned.
+    non-finite entry of ``ref`` exactly.  When the denominator is 0 the
+    absolute norm ``||out - ref||_2`` is returned.
 
     Parameters
     ----------
     out, ref : array-like
         Same shape.
+    floor : array-like, optional
+        Broadcastable to ``ref``'s shape: a noise floor per element (see
+        :func:`noise_floors`).  The denominator becomes
+        ``||ref||_2 + ||floor||_2``, the scale on which :func:`check` applies
+        its norm bound when ``atol = rtol_norm * floor``; so an error measured
+        this way, used as ``rtol_norm``, admits exactly that absolute error.
 
     Returns
     -------
@@ -360,6 +373,9 @@ def relative_error(out: Any, ref: Any) -> float:
     d = np.where(ref_fin, o, 0.0) - np.where(ref_fin, r, 0.0)
     err = float(np.sqrt(np.sum(d * d)))
     den = float(np.sqrt(np.sum(np.where(ref_fin, r * r, 0.0))))
+    if floor is not None:
+        f = np.broadcast_to(np.asarray(floor, dtype=np.float64), r.shape)
+        den += float(np.sqrt(np.sum(np.where(ref_fin, f * f, 0.0))))
     return err / den if den > 0.0 else err
 
 
@@ -492,6 +508,229 @@ def noise_floors(
 
 
 # --------------------------------------------------------------------------
+# Low-precision baseline
+# --------------------------------------------------------------------------
+
+
+def allowed_and_bias(
+    B: int,
+    H: int,
+    Nq: int,
+    Nk: int,
+    *,
+    causal: Any,
+    window: Any,
+    mask: Any,
+    key_lengths: Any,
+) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """The masking of a problem split into what is attended and what is added.
+
+    Parameters
+    ----------
+    B, H, Nq, Nk : int
+        Problem sizes.
+    causal, window, mask, key_lengths
+        As in :func:`pycudaflash.reference.reference_forward`.
+
+    Returns
+    -------
+    allowed : ndarray of bool, shape (B, H, Nq, Nk)
+        The causal, window, key-length and bool-mask conditions combined with
+        the reference's rules (True = attend).
+    bias : ndarray or None
+        A float ``mask``, in its own dtype, broadcast to (B, H, Nq, Nk)
+        (``-inf`` entries included); None for a bool mask or none.
+    """
+    from .reference import _scores
+
+    m = None if mask is None else np.asarray(to_host(mask))
+    bool_mask = m if m is not None and m.dtype == np.bool_ else None
+    zq = np.zeros((B, H, Nq, 1))
+    zk = np.zeros((B, H, Nk, 1))
+    S, _ = _scores(zq, zk, scale=1.0, causal=causal, window=window, mask=bool_mask,
+                   key_lengths=key_lengths)
+    allowed = S == 0.0
+    bias = None
+    if m is not None and m.dtype != np.bool_:
+        bias = np.broadcast_to(m, (B, H, Nq, Nk))
+    return allowed, bias
+
+
+class _LowpForward:
+    """The pieces of a low-precision forward pass that the backward pass reuses."""
+
+    def __init__(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype, scale: float,
+        allowed: np.ndarray, bias: Optional[np.ndarray],
+    ) -> None:
+        f32 = np.float32
+
+        def rnd(x: np.ndarray) -> np.ndarray:
+            return x.astype(dtype).astype(f32)
+
+        self.rnd = rnd
+        self.q, self.k, self.v = (np.asarray(x, dtype=f32) for x in (q, k, v))
+        self.scale = f32(scale)
+        # S = q k^T (float32 accumulation, stored in the dtype), then * scale.
+        S = rnd(np.matmul(self.q, np.swapaxes(self.k, -1, -2)))
+        S = rnd(S * self.scale)
+        if bias is not None:
+            # A bias of the input dtype keeps the scores in that dtype; a
+            # float32 bias promotes them to float32 (torch's type promotion).
+            with np.errstate(over="ignore"):
+                S = S + bias.astype(f32)
+            if bias.dtype == dtype:
+                S = rnd(S)
+        S = np.where(allowed, S, f32(-np.inf))
+        # Softmax in float32; a row that sees no key gets P = 0 and lse = -inf.
+        m = np.max(S, axis=-1, initial=-np.inf)
+        seen = np.isfinite(m)
+        m_safe = np.where(seen, m, f32(0))
+        E = np.exp(S - m_safe[..., None])
+        row_sum = np.sum(E, axis=-1, dtype=f32)
+        l_safe = np.where(seen, row_sum, f32(1))
+        self.P = E / l_safe[..., None]  # float32, as torch's softmax(dtype=float32)
+        self.Pd = rnd(self.P)  # .to(dtype)
+        self.lse = np.where(seen, m_safe + np.log(l_safe), f32(-np.inf)).astype(f32)
+        self.out = rnd(np.matmul(self.Pd, self.v))
+
+
+def _lowp_dtype(q: Any, dtype: Any) -> np.dtype:
+    """The low-precision dtype: ``dtype`` by name or dtype, else q's dtype."""
+    if dtype is None:
+        return np.asarray(q).dtype
+    return numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+
+def lowp_reference_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: Optional[float] = None,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    dtype: Any = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Naive attention in a low-precision dtype, as plain torch operations compute it.
+
+    Emulates, with float32 NumPy arithmetic and a rounding to ``dtype`` after
+    every operation, the explicit attention that torch runs for tensors of
+    that dtype on a GPU::
+
+        s = (q @ k.transpose(-1, -2)) * scale      # each op rounded to dtype
+        s = s + mask                               # float32 mask: s becomes float32
+        s = s.masked_fill(~allowed, -inf)
+        p = softmax(s, dim=-1, dtype=float32).to(dtype)
+        out = p @ v                                # float32 accumulation, rounded
+        lse = logsumexp(s.float(), dim=-1)
+
+    Matrix products accumulate in float32, as cuBLAS does for 16-bit inputs
+    (the products of two 16-bit numbers are exact in float32).  This is the
+    baseline that float16/bfloat16 results are compared with: an
+    implementation is expected to be at least about as accurate as it.
+
+    Parameters
+    ----------
+    q : array, shape (B, H, Nq, D)
+    k, v : arrays, shape (B, H, Nk, D)
+        Values representable in ``dtype`` (they are used as they are).
+    scale, causal, window, mask, key_lengths
+        As in :func:`pycudaflash.reference.reference_forward`.  A float mask
+        of dtype ``dtype`` is added in that dtype, any other float mask in
+        float32.
+    dtype : str or dtype, optional
+        ``'float16'`` or ``'bfloat16'`` (``'float32'`` gives a naive float32
+        attention); default q's dtype.
+
+    Returns
+    -------
+    out : ndarray, shape (B, H, Nq, D), ``dtype``
+        0 on rows that see no key.
+    lse : ndarray, shape (B, H, Nq), float32
+        ``-inf`` on rows that see no key.
+    """
+    dt = _lowp_dtype(q, dtype)
+    q_, k_, v_ = (np.asarray(to_host(x)) for x in (q, k, v))
+    B, H, Nq, D = q_.shape
+    Nk = k_.shape[2]
+    from .semantics import normalize_scale
+
+    allowed, bias = allowed_and_bias(
+        B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
+    )
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    return fwd.out.astype(dt), fwd.lse
+
+
+def lowp_reference_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: Optional[float] = None,
+    causal: Any = False,
+    window: Any = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    dtype: Any = None,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of :func:`lowp_reference_forward`, as torch's autograd computes them.
+
+    Recomputes the forward pass, then follows the backward of each torch
+    operation, rounding every result to ``dtype`` (products accumulate in
+    float32)::
+
+        dV = P^T dO                                 # P in dtype
+        dP = dO V^T
+        dS = P * (dP - rowsum(dP * P))              # softmax backward, float32 P,
+                                                    # rounded to dtype
+        dS = dS * scale                             # backward of "* scale"
+        dQ = dS K,  dK = dS^T Q
+
+    torch's softmax backward forms the row sum from ``dP`` and its own
+    float32 output ``P``; it equals ``rowsum(dO * O)`` (what flash attention
+    uses) in exact arithmetic.
+
+    Parameters
+    ----------
+    dout : array, shape (B, H, Nq, D)
+        Gradient with respect to ``out``, representable in ``dtype``.
+    q, k, v, scale, causal, window, mask, key_lengths, dtype
+        As in :func:`lowp_reference_forward`.
+
+    Returns
+    -------
+    dq : ndarray, shape (B, H, Nq, D), ``dtype``
+    dk, dv : ndarrays, shape (B, H, Nk, D), ``dtype``
+        Rows that see no key contribute nothing and get ``dq = 0``.
+    """
+    dt = _lowp_dtype(q, dtype)
+    q_, k_, v_ = (np.asarray(to_host(x)) for x in (q, k, v))
+    B, H, Nq, D = q_.shape
+    Nk = k_.shape[2]
+    from .semantics import normalize_scale
+
+    allowed, bias = allowed_and_bias(
+        B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
+    )
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    rnd = fwd.rnd
+    dO = np.asarray(to_host(dout), dtype=np.float32)
+    dv = rnd(np.matmul(np.swapaxes(fwd.Pd, -1, -2), dO))
+    dP = rnd(np.matmul(dO, np.swapaxes(fwd.v, -1, -2)))
+    rows = np.sum(dP * fwd.P, axis=-1, dtype=np.float32)
+    dS = rnd(fwd.P * (dP - rows[..., None]))
+    dS = rnd(dS * fwd.scale)
+    dq = rnd(np.matmul(dS, fwd.k))
+    dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt)
+
+
+# --------------------------------------------------------------------------
 # Problems
 # --------------------------------------------------------------------------
 
@@ -524,6 +763,9 @@ class AttentionProblem:
         Fraction of ``-inf`` entries in a float mask.
     mask_empty_rows : bool
         Whether some mask rows are fully masked (all False / all ``-inf``).
+    mask_in_dtype : bool
+        Whether a float mask is stored in the input dtype (float16 or
+        bfloat16) rather than in float32.
     layout : str
         ``'bhnd'`` (contiguous) or ``'bnhd'`` (a (B, N, H, D) array viewed as
         (B, H, N, D)).
@@ -546,6 +788,7 @@ class AttentionProblem:
     mask_density: float = 0.5
     mask_inf_fraction: float = 0.0
     mask_empty_rows: bool = False
+    mask_in_dtype: bool = False
     layout: str = "bhnd"
     seed: int = 0
 
@@ -597,7 +840,8 @@ def attention_problems(
     Every option is drawn: scale (None, 0, or ``c / sqrt(D)`` with
     ``0.05 <= |c| <= 2``),
     causal mode, window sides (None, -1, small, up to the length), key lengths
-    (including 0 and ``Nk``), mask kind and broadcast shape, and layout.
+    (including 0 and ``Nk``), mask kind and broadcast shape (a float mask of a
+    float16/bfloat16 problem is float32 or in the input dtype), and layout.
 
     Parameters
     ----------
@@ -675,7 +919,7 @@ def attention_problems(
                 for _ in range(B)
             )
         mask_kind = mask_shape = None
-        density, inf_fraction, empty_rows = 0.5, 0.0, False
+        density, inf_fraction, empty_rows, in_dtype = 0.5, 0.0, False, False
         if masks and draw(st.booleans()):
             mask_kind = draw(st.sampled_from(["bool", "float"]))
             mask_shape = draw(st.sampled_from(list(MASK_SHAPES)))
@@ -685,6 +929,8 @@ def attention_problems(
             # the whole problem, so do that less often.
             weights = [False, False, False, True] if mask_shape == "111Nk" else [True, False]
             empty_rows = draw(st.sampled_from(weights))
+            if mask_kind == "float" and dtype != "float32":
+                in_dtype = draw(st.booleans())
         layout = draw(st.sampled_from(["bhnd", "bnhd"]))
         seed = draw(st.integers(0, 2**32 - 1))
         return AttentionProblem(
@@ -692,7 +938,7 @@ def attention_problems(
             window=window, key_lengths=key_lengths, mask_kind=mask_kind,
             mask_shape=mask_shape, mask_density=density,
             mask_inf_fraction=inf_fraction, mask_empty_rows=empty_rows,
-            layout=layout, seed=seed,
+            mask_in_dtype=in_dtype, layout=layout, seed=seed,
         )
 
     return strategy()
@@ -722,6 +968,19 @@ def _layout_view(x: np.ndarray, layout: str) -> np.ndarray:
     raise ValueError(f"layout must be 'bhnd' or 'bnhd', got {layout!r}")
 
 
+def _round_nonzero(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x`` rounded to ``dtype``, with values that round to zero kept away from it.
+
+    A value that a 16-bit type flushes to zero becomes ``+-2**-14`` (normal
+    in float16, bfloat16 and float32), so the inputs never hold exact zeros.
+    """
+    y = x.astype(dtype)
+    zero = y == 0
+    if zero.any():
+        y[zero] = np.where(x[zero] < 0, -(2.0 ** -14), 2.0 ** -14).astype(dtype)
+    return y
+
+
 def _mask(problem: AttentionProblem, rng: np.random.Generator) -> Optional[np.ndarray]:
     shape = problem.mask_array_shape()
     if shape is None:
@@ -740,6 +999,8 @@ def _mask(problem: AttentionProblem, rng: np.random.Generator) -> Optional[np.nd
             if rng.random() < 0.7:
                 picks = rng.choice(rows, size=min(rows, n_empty), replace=False)
                 sl[picks, :] = fill
+    if problem.mask_kind == "float" and problem.mask_in_dtype:
+        m = m.astype(numpy_dtype(problem.dtype))
     return m
 
 
@@ -758,11 +1019,13 @@ def make_inputs(
     -------
     dict
         ``'q'`` (B, H, Nq, D), ``'k'``, ``'v'`` (B, H, Nk, D) and ``'dout'``
-        (B, H, Nq, D): standard-normal values in ``problem.dtype``, each a view
-        in ``problem.layout`` (for ``'bnhd'``, ``x.transpose(0, 2, 1, 3)`` is the
-        contiguous (B, N, H, D) array); ``'mask'``: None, bool (True = attend)
-        or float32 (``-inf`` allowed) of ``problem.mask_array_shape()``;
-        ``'key_lengths'``: None or int32 of shape (B,).
+        (B, H, Nq, D): standard-normal float32 draws rounded to
+        ``problem.dtype`` (never to zero), each a view in ``problem.layout``
+        (for ``'bnhd'``, ``x.transpose(0, 2, 1, 3)`` is the contiguous
+        (B, N, H, D) array); ``'mask'``: None, bool (True = attend) or float32
+        (``-inf`` allowed; in ``problem.dtype`` with ``mask_in_dtype``) of
+        ``problem.mask_array_shape()``; ``'key_lengths'``: None or int32 of
+        shape (B,).
     """
     if rng is None:
         rng = np.random.default_rng(problem.seed)
@@ -771,7 +1034,7 @@ def make_inputs(
 
     def normal(n: int) -> np.ndarray:
         x = rng.standard_normal((B, H, n, D), dtype=np.float32)
-        return _layout_view(x.astype(dt), problem.layout)
+        return _layout_view(_round_nonzero(x, dt), problem.layout)
 
     q, k, v, dout = normal(Nq), normal(Nk), normal(Nk), normal(Nq)
     kl = None

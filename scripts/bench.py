@@ -6,11 +6,14 @@ Method
 * Shapes: for each head dimension ``D``, sequence length ``N`` and causal
   mode, ``B = tokens // N`` and ``H = hd_total // D`` (a fixed number of
   tokens and a fixed model width, as in the FlashAttention benchmarks);
-  ``Nq = Nk = N``; layout (B, H, N, D).
-* Inputs are standard-normal tensors allocated by torch on the GPU and passed
-  as they are to ``pycudaflash.flash_attn_forward/backward`` (through
-  ``__cuda_array_interface__``), so both implementations read the same
-  memory.  torch initialises CUDA first and ``cuda_backend.activate()`` then
+  ``Nq = Nk = N``; layout (B, H, N, D), or with ``--layout bnhd`` (B, N, H, D)
+  storage viewed as (B, H, N, D), the layout FlashAttention itself uses.
+* Inputs are standard-normal tensors in ``--dtype`` (float32, float16 or
+  bfloat16) allocated by torch on the GPU and passed as they are to
+  ``pycudaflash.flash_attn_forward/backward`` (through
+  ``__cuda_array_interface__``; bfloat16, which that interface exports as
+  the opaque ``'<V2'``, is identified through ``__dlpack__``), so both
+  implementations read the same memory.  torch initialises CUDA first and ``cuda_backend.activate()`` then
   makes its primary context current for PyCUDA, so both share one context.
   Without torch, the inputs are PyCUDA ``GPUArray`` objects and only
   pycudaflash is timed.
@@ -31,10 +34,18 @@ Method
   without recomputing the forward.
 * FLOPs follow FlashAttention's convention (``pycudaflash.timing.attention_flops``):
   ``4 B H N^2 D`` for the forward, halved when causal, times 2.5 for the
-  backward.  ``ratio`` is ours / peer TFLOP/s (above 1: ours is faster).
+  backward.
 * Peers per dtype: float32 -- torch SDPA's memory-efficient backend;
   float16/bfloat16 -- its flash, memory-efficient and cuDNN backends.  A peer
-  that raises is reported as ``n/a`` with the reason.
+  that raises (a head dim or dtype it does not support, for instance) is
+  reported as ``n/a`` with the reason.
+* Table: one row per config, with the TFLOP/s of every implementation side
+  by side and ``ratio`` = ours / the first peer's TFLOP/s (torch's flash
+  backend for float16/bfloat16, its memory-efficient one for float32; above
+  1: ours is faster).
+* Plot: TFLOP/s against sequence length, one panel per (D, causal mode), one
+  line per implementation and pass; written to ``--plot``, or next to the
+  ``--json`` file (same name, ``.png``) when only that is given.
 * Before timing a config, ours is compared with each peer on set 0 and, for
   N <= 4096, with the float64 reference on one (batch, head) slice.
 """
@@ -69,10 +80,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each measurement")
     p.add_argument("--min-sets", type=int, default=4, help="minimum number of rotated input sets")
     p.add_argument("--min-mb", type=float, default=256.0, help="minimum total size of the input sets (MB)")
+    p.add_argument("--layout", choices=("bhnd", "bnhd"), default="bhnd",
+                   help="memory layout of q, k, v, dout and our outputs: (B, H, N, D), or (B, N, H, D) "
+                        "viewed as (B, H, N, D)")
     p.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
     p.add_argument("--no-peer", action="store_true", help="do not time torch even when it is importable")
     p.add_argument("--json", metavar="PATH", help="write every result to this JSON file")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of TFLOP/s against sequence length")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of TFLOP/s against sequence length (default with --json: "
+                        "next to the JSON file)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
@@ -90,20 +106,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------
 
 
+def _storage_shape(shape: Tuple[int, ...], layout: str) -> Tuple[int, ...]:
+    """Shape of the allocation behind a (B, H, N, D) array in ``layout``."""
+    if layout == "bnhd" and len(shape) == 4:
+        B, H, N, D = shape
+        return (B, N, H, D)
+    return shape
+
+
 class TorchArrays:
     """Allocates device arrays with torch (shared with pycudaflash)."""
 
-    def __init__(self, torch: Any, dtype: str) -> None:
+    def __init__(self, torch: Any, dtype: str, layout: str = "bhnd") -> None:
         self.torch = torch
         self.dtype = getattr(torch, dtype)
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.layout = layout
+
+    def _view(self, x: Any) -> Any:
+        return x.transpose(1, 2) if self.layout == "bnhd" and x.dim() == 4 else x
 
     def randn(self, shape: Tuple[int, ...]) -> Any:
-        return self.torch.randn(shape, device="cuda", dtype=self.dtype)
+        storage = _storage_shape(shape, self.layout)
+        return self._view(self.torch.randn(storage, device="cuda", dtype=self.dtype))
 
     def empty(self, shape: Tuple[int, ...], float32: bool = False) -> Any:
         dt = self.torch.float32 if float32 else self.dtype
-        return self.torch.empty(shape, device="cuda", dtype=dt)
+        return self._view(self.torch.empty(_storage_shape(shape, self.layout), device="cuda", dtype=dt))
 
     def host(self, x: Any) -> Any:
         return x.detach().float().cpu().numpy()
@@ -113,29 +142,51 @@ class TorchArrays:
 
 
 class PycudaArrays:
-    """Allocates device arrays with PyCUDA (when torch is not available)."""
+    """Allocates device arrays with PyCUDA (when torch is not available).
 
-    def __init__(self, dtype: str) -> None:
+    bfloat16 arrays hold ``ml_dtypes.bfloat16`` elements; their
+    ``__cuda_array_interface__`` says only ``'<V2'``, so pycudaflash is called
+    with ``dtype=`` (see :func:`run_ours`).
+    """
+
+    def __init__(self, dtype: str, layout: str = "bhnd") -> None:
         import numpy as np
 
-        if dtype == "bfloat16":
-            raise SystemExit("bfloat16 inputs need torch (numpy has no bfloat16)")
+        from pycudaflash.testing import numpy_dtype
+
         self.np = np
-        self.dtype = np.dtype(dtype)
+        self.dtype = numpy_dtype(dtype)
         self.itemsize = self.dtype.itemsize
         self.rng = np.random.default_rng(0)
+        self.layout = layout
+
+    def _view(self, base: Any) -> Any:
+        """A (B, N, H, D) GPUArray viewed as (B, H, N, D) through its strides."""
+        if self.layout != "bnhd" or len(base.shape) != 4:
+            return base
+        import pycuda.gpuarray as gpuarray
+
+        B, N, H, D = base.shape
+        it = base.dtype.itemsize
+        return gpuarray.GPUArray((B, H, N, D), base.dtype, gpudata=base.gpudata,
+                                 strides=(N * H * D * it, D * it, H * D * it, it), base=base)
 
     def randn(self, shape: Tuple[int, ...]) -> Any:
         import pycuda.gpuarray as gpuarray
 
-        return gpuarray.to_gpu(self.rng.standard_normal(shape, dtype=self.np.float32).astype(self.dtype))
+        host = self.rng.standard_normal(_storage_shape(shape, self.layout), dtype=self.np.float32)
+        return self._view(gpuarray.to_gpu(host.astype(self.dtype)))
 
     def empty(self, shape: Tuple[int, ...], float32: bool = False) -> Any:
         import pycuda.gpuarray as gpuarray
 
-        return gpuarray.empty(shape, self.np.float32 if float32 else self.dtype)
+        dt = self.np.float32 if float32 else self.dtype
+        return self._view(gpuarray.empty(_storage_shape(shape, self.layout), dt))
 
     def host(self, x: Any) -> Any:
+        if self.layout == "bnhd" and len(x.shape) == 4:
+            x = x.base  # the (B, N, H, D) storage; .get() of a strided view is not supported
+            return x.get().astype(self.np.float32).transpose(0, 2, 1, 3)
         return x.get().astype(self.np.float32)
 
     def sync(self) -> None:
@@ -260,17 +311,24 @@ def run_ours(sets: List[InputSet], causal: bool, args: argparse.Namespace, strea
     res = ImplResult("pycudaflash")
     n = len(sets)
 
+    # dtype= names the element type of bfloat16 GPUArrays (opaque '<V2'); torch
+    # tensors identify themselves through __dlpack__ and merely agree with it.
+    dtype = args.dtype
+
     def fwd(i: int) -> None:
         s = sets[i]
-        flash_attn_forward(s.q, s.k, s.v, causal=causal, stream=stream, out=s.out, lse=s.lse)
+        flash_attn_forward(s.q, s.k, s.v, causal=causal, stream=stream, out=s.out, lse=s.lse,
+                           dtype=dtype)
 
     def bwd(i: int) -> None:
         s = sets[i]
         flash_attn_backward(s.dout, s.q, s.k, s.v, s.out, s.lse, causal=causal,
-                            deterministic=args.deterministic, stream=stream, dq=s.dq, dk=s.dk, dv=s.dv)
+                            deterministic=args.deterministic, stream=stream, dq=s.dq, dk=s.dk, dv=s.dv,
+                            dtype=dtype)
 
     try:
-        res.fwd = _measure(time_cuda(fwd, stream=stream, warmup=args.warmup, repeat=args.reps, rotate=n), flops_f)
+        timing = time_cuda(fwd, stream=stream, warmup=args.warmup, repeat=args.reps, rotate=n)
+        res.fwd = _measure(timing, flops_f)
     except Exception as exc:
         res.fwd.error = _reason(exc)
         res.bwd.error = "no forward"
@@ -279,7 +337,8 @@ def run_ours(sets: List[InputSet], causal: bool, args: argparse.Namespace, strea
         for i in range(n):  # every set's out/lse, whatever reps covered
             fwd(i)
         stream.synchronize()
-        res.bwd = _measure(time_cuda(bwd, stream=stream, warmup=args.warmup, repeat=args.reps, rotate=n), flops_b)
+        timing = time_cuda(bwd, stream=stream, warmup=args.warmup, repeat=args.reps, rotate=n)
+        res.bwd = _measure(timing, flops_b)
     except Exception as exc:
         res.bwd.error = _reason(exc)
     stream.synchronize()
@@ -319,7 +378,8 @@ def peer_backends(torch: Any, dtype: str) -> List[Tuple[str, Any, Optional[str]]
     out = []
     for name, member in wanted:
         be = getattr(SDPBackend, member, None)
-        out.append((name, be, None if be is not None else f"SDPBackend.{member} not in torch {torch.__version__}"))
+        missing = None if be is not None else f"SDPBackend.{member} not in torch {torch.__version__}"
+        out.append((name, be, missing))
     return out
 
 
@@ -354,6 +414,7 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
     F = torch.nn.functional
     res = ImplResult(name)
     n = len(sets)
+    graphs: List[Any] = []
     try:
         with sdpa_kernel(backend):
             # Check against ours on set 0 (ours' buffers hold its results).
@@ -373,9 +434,9 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
                 return F.scaled_dot_product_attention(s.q, s.k, s.v, is_causal=causal)
 
             with torch.no_grad():
-                res.fwd = _measure(time_torch(torch, fwd, warmup=args.warmup, repeat=args.reps, rotate=n), flops_f)
+                timing = time_torch(torch, fwd, warmup=args.warmup, repeat=args.reps, rotate=n)
+                res.fwd = _measure(timing, flops_f)
 
-            graphs = []
             for s in sets:
                 leaves = tuple(t.detach().requires_grad_(True) for t in (s.q, s.k, s.v))
                 graphs.append((F.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, s.dout))
@@ -384,16 +445,16 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
                 o_i, leaves_i, dout_i = graphs[i]
                 return torch.autograd.grad(o_i, leaves_i, dout_i, retain_graph=True)
 
-            try:
-                res.bwd = _measure(time_torch(torch, bwd, warmup=args.warmup, repeat=args.reps, rotate=n), flops_b)
-            finally:
-                del graphs
+            timing = time_torch(torch, bwd, warmup=args.warmup, repeat=args.reps, rotate=n)
+            res.bwd = _measure(timing, flops_b)
     except Exception as exc:
         res.error = _reason(exc)
         if res.fwd.error is None and math.isnan(res.fwd.ms):
             res.fwd.error = res.error
         if res.bwd.error is None and math.isnan(res.bwd.ms):
             res.bwd.error = res.error
+    finally:
+        graphs.clear()  # free the retained graphs
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return res
@@ -403,47 +464,70 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
 # Output
 # --------------------------------------------------------------------------
 
-COLUMNS = ["dtype", "D", "N", "causal", "B", "H", "peer",
-           "ours fwd ms", "ours fwd TFLOP/s", "peer fwd TFLOP/s", "ratio",
-           "ours bwd ms", "ours bwd TFLOP/s", "peer bwd TFLOP/s", "ratio"]
+#: Short names of the implementations in table headers.
+SHORT_NAMES = {"pycudaflash": "ours", "torch-flash": "flash", "torch-mem-eff": "mem-eff",
+               "torch-cudnn": "cudnn"}
 
 
-def _f(x: float, digits: int = 2) -> str:
+def _short(name: str) -> str:
+    return SHORT_NAMES.get(name, name)
+
+
+def _f(x: Optional[float], digits: int = 2) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
-def table_rows(r: ConfigResult) -> List[List[str]]:
-    """Table rows of one config: one per peer (one with peer '-' when there is none)."""
-    base = [r.dtype, str(r.D), str(r.N), "yes" if r.causal else "no", str(r.B), str(r.H)]
-    o = r.ours
-    peers = r.peers or [None]
-    rows = []
-    for p in peers:
-        pf = p.fwd.tflops if p else math.nan
-        pb = p.bwd.tflops if p else math.nan
-        rows.append(base + [
-            p.name if p else "-",
-            _f(o.fwd.ms, 3), _f(o.fwd.tflops), _f(pf), _f(o.fwd.tflops / pf if pf else math.nan),
-            _f(o.bwd.ms, 3), _f(o.bwd.tflops), _f(pb), _f(o.bwd.tflops / pb if pb else math.nan),
-        ])
-    return rows
+def _ratio(ours: float, peer: float) -> float:
+    return ours / peer if peer and not math.isnan(peer) else math.nan
 
 
-def print_table(rows: List[List[str]]) -> None:
-    """Aligned table with :data:`COLUMNS`."""
-    widths = [max(len(x[c]) for x in [COLUMNS] + rows) for c in range(len(COLUMNS))]
+def table_columns(results: Sequence[ConfigResult]) -> List[str]:
+    """Headers: the config, then per pass our time, every implementation's
+    TFLOP/s and ours / the first peer."""
+    peers = [_short(p.name) for p in results[0].peers] if results else []
+    cols = ["dtype", "D", "N", "causal", "B", "H"]
+    for pas in ("fwd", "bwd"):
+        cols += [f"{pas} ms", f"{pas} ours"] + [f"{pas} {p}" for p in peers]
+        if peers:
+            cols.append(f"{pas} ours/{peers[0]}")
+    return cols
+
+
+def table_row(r: ConfigResult) -> List[str]:
+    """One row per config: times in ms, throughputs in TFLOP/s, n/a where a run failed."""
+    row = [r.dtype, str(r.D), str(r.N), "yes" if r.causal else "no", str(r.B), str(r.H)]
+    for pas in ("fwd", "bwd"):
+        ours = getattr(r.ours, pas)
+        peers = [getattr(p, pas) for p in r.peers]
+        row += [_f(ours.ms, 3), _f(ours.tflops)] + [_f(m.tflops) for m in peers]
+        if peers:
+            row.append(_f(_ratio(ours.tflops, peers[0].tflops)))
+    return row
+
+
+def print_table(results: Sequence[ConfigResult]) -> None:
+    """Aligned table of :func:`table_columns` and one :func:`table_row` per config."""
+    if not results:
+        return
+    cols = table_columns(results)
+    rows = [table_row(r) for r in results]
+    widths = [max(len(x[c]) for x in [cols] + rows) for c in range(len(cols))]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
 
-    print(line(COLUMNS))
+    print(line(cols))
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print(line(row))
 
 
 def write_plot(path: str, results: List[ConfigResult]) -> None:
-    """PNG of TFLOP/s against N: one panel per (D, causal), one line per implementation and pass."""
+    """PNG of TFLOP/s against N: one panel per (D, causal), one line per implementation and pass.
+
+    Each implementation keeps its colour in every panel; forward lines are
+    solid, backward lines dashed.  A run that failed (``n/a``) leaves a gap.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -451,25 +535,33 @@ def write_plot(path: str, results: List[ConfigResult]) -> None:
 
     dims = sorted({r.D for r in results})
     modes = sorted({r.causal for r in results})
+    names: List[str] = []
+    for r in results:
+        for impl in [r.ours] + r.peers:
+            if impl.name not in names:
+                names.append(impl.name)
+    colours = {name: f"C{i % 10}" for i, name in enumerate(names)}
     fig, axes = plt.subplots(len(dims), len(modes), figsize=(6 * len(modes), 4 * len(dims)),
-                             squeeze=False, sharex=True)
+                             squeeze=False)
     for a, d in enumerate(dims):
         for b, c in enumerate(modes):
             ax = axes[a][b]
             rs = sorted((r for r in results if r.D == d and r.causal == c), key=lambda r: r.N)
-            series: Dict[str, List[Tuple[int, float]]] = {}
+            series: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
             for r in rs:
                 for impl in [r.ours] + r.peers:
                     for pas, m in (("fwd", impl.fwd), ("bwd", impl.bwd)):
                         if not math.isnan(m.tflops):
-                            series.setdefault(f"{impl.name} {pas}", []).append((r.N, m.tflops))
-            for label, pts in series.items():
+                            series.setdefault((impl.name, pas), []).append((r.N, m.tflops))
+            for (name, pas), pts in series.items():
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", linestyle="-" if label.endswith("fwd") else "--", label=label)
+                ax.plot(xs, ys, marker="o", color=colours[name], linestyle="-" if pas == "fwd" else "--",
+                        label=f"{_short(name)} {pas}")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{rs[0].dtype if rs else ''} D={d} {'causal' if c else 'non-causal'}")
             ax.set_xlabel("sequence length N")
             ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
             ax.grid(True, alpha=0.3)
             if series:
                 ax.legend(fontsize=8)
@@ -539,13 +631,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:
         env["compile_info"] = _reason(exc)
     print(f"device: {env['device']} (sm_{env['compute_capability'].replace('.', '')}), "
-          f"torch: {env['torch'] or 'n/a'}, dtype: {args.dtype}")
+          f"torch: {env['torch'] or 'n/a'}, dtype: {args.dtype}, layout: {args.layout}")
     if torch is None:
         print(f"peer columns unavailable: {no_peer_reason}; timing pycudaflash only")
-        arr: Any = PycudaArrays(args.dtype)
+        arr: Any = PycudaArrays(args.dtype, args.layout)
         peers: List[Tuple[str, Any, Optional[str]]] = []
     else:
-        arr = TorchArrays(torch, args.dtype)
+        arr = TorchArrays(torch, args.dtype, args.layout)
         peers = peer_backends(torch, args.dtype)
 
     modes = {"none": [False], "causal": [True], "both": [False, True]}[args.causal]
@@ -592,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             print(f"  ours vs {name} (set 0): max relative-norm error "
                                   f"{max(p.check.values()):.2e} ("
                                   + ", ".join(f"{k} {v:.2e}" for k, v in p.check.items()) + ")")
-                    print_table(table_rows(cres))
+                    print_table([cres])
                     results.append(cres)
                     del sets
                     if torch is not None:
@@ -602,17 +694,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stream.synchronize()
         cuda_backend.deactivate()
 
-    print("\n== summary (ratio = ours / peer TFLOP/s)")
-    print_table([row for r in results for row in table_rows(r)])
+    ratio_peer = _short(results[0].peers[0].name) if results and results[0].peers else None
+    print("\n== summary (ms: pycudaflash median time; other columns TFLOP/s"
+          + (f"; ours/{ratio_peer} = ratio of TFLOP/s)" if ratio_peer else ")"))
+    print_table(results)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"env": env, "args": vars(args), "results": [r.as_dict() for r in results]},
                       fh, indent=2, default=str)
         print(f"wrote {args.json}")
-    if args.plot and results:
+    plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if plot and results:
         try:
-            write_plot(args.plot, results)
-            print(f"wrote {args.plot}")
+            write_plot(plot, results)
+            print(f"wrote {plot}")
         except Exception as exc:
             print(f"plot failed: {_reason(exc)}", file=sys.stderr)
     return status

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Full GPU check in one go: kernel cache warm-up, the whole test suite on the
 # CUDA backend, compute-sanitizer (memcheck, racecheck) on small runs of every
-# mask mode, and the float32 benchmark against torch SDPA.
+# mask mode and dtype, and the benchmarks against torch SDPA (SKIP_BENCH=1
+# leaves them out).
 # Usage: scripts/gpu_check.sh [OUTDIR]   (logs, JSON and plot land in OUTDIR)
 # PYTEST_ARGS adds pytest options; PYTEST_TIMEOUT, SANITIZER_TIMEOUT and
 # BENCH_TIMEOUT (seconds) bound each stage.
@@ -30,6 +31,12 @@ for tool in memcheck racecheck; do
     | grep -v -E "Warning:|warn\(" | tee "$out/sanitizer-$tool.log" || status=1
 done
 
-timeout ${BENCH_TIMEOUT:-3600} python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \
-  --json "$out/bench-float32.json" --plot "$out/bench-float32.png" 2>&1 | tee "$out/bench-float32.log" || status=1
+if [ -z "${SKIP_BENCH:-}" ]; then
+  timeout ${BENCH_TIMEOUT:-3600} python3 scripts/bench.py --dtype float32 --head-dim 64 128 --seqlen 1024 4096 --causal both \
+    --json "$out/bench-float32.json" --plot "$out/bench-float32.png" 2>&1 | tee "$out/bench-float32.log" || status=1
+  for dt in float16 bfloat16; do
+    timeout ${BENCH_TIMEOUT:-3600} python3 scripts/bench.py --dtype $dt --head-dim 64 128 256 --seqlen 1024 4096 16384 \
+      --causal both --json "$out/bench-$dt.json" --plot "$out/bench-$dt.png" 2>&1 | tee "$out/bench-$dt.log" || status=1
+  done
+fi
 exit $status

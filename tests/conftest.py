@@ -22,6 +22,8 @@ from pycudaflash.testing import selected_profile
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
+# Examples per property and input dtype (the properties are parametrized by
+# dtype: float32, float16, bfloat16).
 settings.register_profile(
     "ci",
     max_examples=40,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is no
 
 @pytest.fixture(scope="module")
 def builds():
-    items = [(p, d, a) for a in ARCHES for p, d in compiler.all_variants()]
+    items = [(p, d, a) for a in ARCHES for p, d in compiler.all_variants(arch=a)]
     jobs = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(lambda it: compiler.compile_offline(*it), items))

@@ -1,10 +1,15 @@
 """Property tests of every backend against the float64 reference.
 
-Each drawn problem (sizes, masks, layouts: :func:`pycudaflash.testing.
-attention_problems`) runs through the public API into output buffers
-poisoned with NaN, so an element that no kernel writes is caught.  Forward
-and backward are separate properties, each with its own example count (the
-Hypothesis profile: ``ci`` or ``gpu``, see ``conftest.py``).
+Each drawn problem (sizes, masks, layouts, float32/float16/bfloat16 inputs:
+:func:`pycudaflash.testing.attention_problems`) runs through the public API
+into output buffers poisoned with NaN, so an element that no kernel writes
+is caught.  Forward and backward are separate properties, each with its own
+example count (the Hypothesis profile: ``ci`` or ``gpu``, see
+``conftest.py``).
+
+float32 results are held to fixed bounds (:data:`BOUNDS`).  float16 and
+bfloat16 results are held to the error of a naive attention computed in the
+same dtype, measured on each example (:func:`_lowp_bounds`).
 
 The CUDA-only tests at the end (determinism, concurrent streams, foreign
 array types) skip with the reason when no GPU or PyCUDA is present.
@@ -12,22 +17,30 @@ array types) skip with the reason when no GPU or PyCUDA is present.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 from pycudaflash import flash_attn_backward, flash_attn_forward
 from pycudaflash.reference import reference_backward, reference_forward
+from pycudaflash.semantics import normalize_scale
 from pycudaflash.testing import (
     AttentionProblem,
     CheckResult,
+    allowed_and_bias,
     attention_kwargs,
     attention_problems,
     check,
+    lowp_reference_backward,
+    lowp_reference_forward,
     make_inputs,
     noise_floors,
+    numpy_dtype,
+    relative_error,
     selected_profile,
     to_host,
 )
@@ -46,8 +59,43 @@ BOUNDS: Dict[Tuple[str, str], Dict[str, float]] = {
     ("numpy", "float32"): {"out": 7e-7, "lse": 3.5e-7, "dq": 1.1e-6, "dk": 1.1e-6, "dv": 8e-7},
     ("cuda", "float32"): {"out": 2.6e-6, "lse": 2.9e-6, "dq": 6.2e-6, "dk": 4.9e-6, "dv": 2.6e-6},
 }
-DTYPES = tuple(sorted({dtype for _, dtype in BOUNDS}))
 
+# float16 and bfloat16 have no fixed bounds.  Each result is compared with
+# the float64 reference, and so is the same attention computed naively in
+# that dtype (the baseline: torch on the GPU when the CUDA backend is under
+# test and torch is importable, else its NumPy emulation
+# pycudaflash.testing.lowp_reference_forward/backward).  The bound is
+#     rtol_norm = 2 * baseline_error + LOWP_FLOOR[dtype][quantity],
+# with atol = rtol_norm * noise floor as for float32, where baseline_error is
+# the baseline's relative-norm error on the scale that check() applies its
+# norm bound on (||ref|| + ||noise floor||, relative_error(..., floor=)).
+# The norm condition then reads
+#     ||result - ref|| <= 2 ||baseline - ref|| + floor * (||ref|| + ||noise floor||):
+# at most twice the baseline's error, plus the floor.  The element bound of
+# check() scales with the same rtol_norm.
+#
+# The floors, as fractions of the unit roundoff u (2**-11 for float16, 2**-8
+# for bfloat16):
+# * out, lse, dv: u/8.  Every implementation rounds out/dv to the dtype once,
+#   an error of about u/2 relative (RMS) that the baseline incurs too, so the
+#   floor only matters where the baseline is (almost) exact: lse of scores that
+#   the dtype holds exactly (scale 0, a single key), where both are float32
+#   computations differing by ~1e-7; u/8 (6e-5 / 5e-4) covers that and stays
+#   well below any rounding to the dtype.
+# * dq, dk: u/2.  The backward pass receives out rounded to the dtype, and
+#   D_i = rowsum(dO * out) inherits that rounding (~u relative); in dS it no
+#   longer cancels and adds D_i-sized noise to dq and dk, which torch's
+#   autograd does not see (its softmax backward uses its own float32 P).  The
+#   noise floors scale with D_i, and over 400 drawn problems the NumPy
+#   backend, and an emulation of kernels that round P and dS to the dtype,
+#   needed at most 0.21 u of floor there (cases where one key dominates a
+#   row and dq is far smaller than D_i).
+UNIT_ROUNDOFF: Dict[str, float] = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+LOWP_FLOOR: Dict[str, Dict[str, float]] = {
+    name: {"out": u / 8, "lse": u / 8, "dv": u / 8, "dq": u / 2, "dk": u / 2}
+    for name, u in UNIT_ROUNDOFF.items()
+}
+DTYPES = ("float32",) + tuple(UNIT_ROUNDOFF)
 
 
 # Cap on B * H * Nq * Nk * D per profile, which bounds the cost of every
@@ -55,10 +103,15 @@ DTYPES = tuple(sorted({dtype for _, dtype in BOUNDS}))
 # maxima (B <= 2, H <= 3, N <= 700, D <= 256).
 MAX_ELEMENTS: Dict[str, Optional[int]] = {"ci": 10_000_000, "gpu": None}
 
-PROBLEMS = attention_problems(
-    dtypes=DTYPES,
-    max_elements=MAX_ELEMENTS.get(selected_profile(), MAX_ELEMENTS["ci"]),
-)
+# One strategy per dtype: the properties are parametrized by dtype, so each
+# dtype gets the profile's full example count.
+PROBLEMS = {
+    dtype: attention_problems(
+        dtypes=(dtype,),
+        max_elements=MAX_ELEMENTS.get(selected_profile(), MAX_ELEMENTS["ci"]),
+    )
+    for dtype in DTYPES
+}
 
 
 # --------------------------------------------------------------------------
@@ -119,6 +172,11 @@ def _assert_all(results: List[CheckResult], problem: AttentionProblem, backend: 
         raise AssertionError(f"backend {backend!r}, {problem}\n{lines}")
 
 
+def _dtype_kwargs(problem: AttentionProblem) -> Dict[str, Any]:
+    """``dtype=`` for 16-bit problems: a bfloat16 GPUArray exports the opaque '<V2'."""
+    return {} if problem.dtype == "float32" else {"dtype": problem.dtype}
+
+
 def _run_forward(
     problem: AttentionProblem, x: Dict[str, Any], backend: str,
 ) -> Tuple[Any, Any, Dict[str, Any]]:
@@ -130,16 +188,140 @@ def _run_forward(
     lse = _poisoned((B, H, Nq), np.float32, backend)
     ret_out, ret_lse = flash_attn_forward(
         dev["q"], dev["k"], dev["v"], **kw, out=out, lse=lse, backend=backend,
+        **_dtype_kwargs(problem),
     )
     assert ret_out is out and ret_lse is lse, "the out=/lse= buffers must be returned"
     return out, lse, dev
 
 
+# --------------------------------------------------------------------------
+# float16/bfloat16 bounds from a baseline in the same dtype
+# --------------------------------------------------------------------------
+
+
+def _torch_usable() -> bool:
+    """Whether torch imports and sees a CUDA device."""
+    try:
+        import torch
+    except Exception:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _torch_baseline(
+    problem: AttentionProblem, x: Dict[str, Any], kw: Dict[str, Any], backward: bool,
+) -> Dict[str, np.ndarray]:
+    """The attention computed explicitly by torch in the problem's dtype on the GPU.
+
+    ``s = (q @ k^T) * scale``, plus the float mask (a float32 mask promotes
+    ``s`` to float32), ``masked_fill`` with ``-inf``, ``softmax(s, dtype=
+    float32).to(dtype)``, ``out = p @ v``; ``lse = logsumexp(s.float())``;
+    the gradients by autograd.  Rows that see no key get ``out = 0``,
+    ``lse = -inf`` and zero gradients (their softmax input is replaced by
+    zeros and their probabilities by 0, so no NaN arises).  cuBLAS keeps its
+    float32 accumulation throughout (no reduced-precision split-K
+    reductions), like the NumPy emulation.
+    """
+    import torch
+
+    flags = torch.backends.cuda.matmul
+    names = [n for n in ("allow_fp16_reduced_precision_reduction",
+                         "allow_bf16_reduced_precision_reduction") if hasattr(flags, n)]
+    saved = {n: getattr(flags, n) for n in names}
+    try:
+        for n in names:
+            setattr(flags, n, False)
+        return _torch_attention(torch, "cuda", problem, x, kw, backward)
+    finally:
+        for n, value in saved.items():
+            setattr(flags, n, value)
+
+
+def _torch_attention(
+    torch: Any, device: str, problem: AttentionProblem, x: Dict[str, Any], kw: Dict[str, Any],
+    backward: bool,
+) -> Dict[str, np.ndarray]:
+    """The body of :func:`_torch_baseline`, on ``device``."""
+    dev = torch.device(device)
+    tdt = getattr(torch, problem.dtype)
+    in_dtype = numpy_dtype(problem.dtype)
+
+    def tensor(a: np.ndarray, dtype: Any = tdt) -> Any:
+        return torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(dev).to(dtype)
+
+    q, k, v = (tensor(x[n]).requires_grad_(backward) for n in ("q", "k", "v"))
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    scale = normalize_scale(kw["scale"], D)
+    allowed, bias = allowed_and_bias(
+        B, H, Nq, Nk, causal=kw["causal"], window=kw["window"], mask=kw["mask"],
+        key_lengths=kw["key_lengths"],
+    )
+    s = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + tensor(bias, tdt if bias.dtype == in_dtype else torch.float32)
+    s = s.masked_fill(~torch.from_numpy(np.array(allowed, order="C")).to(dev), float("-inf"))
+    seen = torch.isfinite(s).any(dim=-1, keepdim=True)
+    p = torch.softmax(torch.where(seen, s, torch.zeros_like(s)), dim=-1, dtype=torch.float32)
+    p = torch.where(seen, p, torch.zeros_like(p)).to(tdt)
+    out = p @ v
+    res = {"out": out, "lse": torch.logsumexp(s.detach().float(), dim=-1)}
+    if backward:
+        grads = torch.autograd.grad(out, (q, k, v), tensor(x["dout"]))
+        res.update(zip(("dq", "dk", "dv"), grads))
+    return {n: a.detach().float().cpu().numpy() for n, a in res.items()}
+
+
+def _lowp_baseline(
+    problem: AttentionProblem, x: Dict[str, Any], kw: Dict[str, Any], backend: str,
+    backward: bool,
+) -> Dict[str, np.ndarray]:
+    """The naive attention in the problem's dtype: torch for the CUDA backend when
+    it is usable, else the NumPy emulation."""
+    if backend == "cuda" and _torch_usable():
+        return _torch_baseline(problem, x, kw, backward)
+    res: Dict[str, np.ndarray] = {}
+    res["out"], res["lse"] = lowp_reference_forward(x["q"], x["k"], x["v"], **kw)
+    if backward:
+        grads = lowp_reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw)
+        res.update(zip(("dq", "dk", "dv"), grads))
+    return res
+
+
+def _bounds(
+    problem: AttentionProblem, x: Dict[str, Any], kw: Dict[str, Any], backend: str,
+    ref: Dict[str, np.ndarray], floors: Dict[str, np.ndarray], names: Sequence[str],
+) -> Dict[str, float]:
+    """rtol_norm per quantity: :data:`BOUNDS` for float32, else measured (see the top)."""
+    if problem.dtype == "float32":
+        return BOUNDS[(backend, problem.dtype)]
+    return _lowp_bounds(problem, x, kw, backend, ref, floors, names)
+
+
+def _lowp_bounds(
+    problem: AttentionProblem, x: Dict[str, Any], kw: Dict[str, Any], backend: str,
+    ref: Dict[str, np.ndarray], floors: Dict[str, np.ndarray], names: Sequence[str],
+) -> Dict[str, float]:
+    """``2 * baseline_error + LOWP_FLOOR`` for each quantity in ``names``."""
+    base = _lowp_baseline(problem, x, kw, backend, backward="dq" in names)
+    bounds = {}
+    for name in names:
+        err = relative_error(base[name], ref[name], floors[name])
+        assert math.isfinite(err), (
+            f"the {problem.dtype} baseline itself is not finite for {name} (or misses the "
+            f"reference's -inf pattern): {problem}"
+        )
+        bounds[name] = 2.0 * err + LOWP_FLOOR[problem.dtype][name]
+    return bounds
+
+
 def _forward_checks(
-    problem: AttentionProblem, out: np.ndarray, lse: np.ndarray,
-    ref_out: np.ndarray, ref_lse: np.ndarray, floors: Dict[str, np.ndarray], backend: str,
+    out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray, ref_lse: np.ndarray,
+    floors: Dict[str, np.ndarray], bounds: Dict[str, float],
 ) -> List[CheckResult]:
-    bounds = BOUNDS[(backend, problem.dtype)]
     sees_nothing = ~np.isfinite(ref_lse)  # rows that see no key: lse = -inf, out = 0
     return [
         check("out", out, ref_out, rtol_norm=bounds["out"], atol=bounds["out"] * floors["out"],
@@ -148,18 +330,25 @@ def _forward_checks(
     ]
 
 
-@given(problem=PROBLEMS)
-def test_forward_matches_reference(backend: str, problem: AttentionProblem) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+def test_forward_matches_reference(backend: str, dtype: str, data: Any) -> None:
+    problem = data.draw(PROBLEMS[dtype], label="problem")
     x = make_inputs(problem)
-    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **attention_kwargs(problem, x))
+    kw_host = attention_kwargs(problem, x)
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
     out, lse, _ = _run_forward(problem, x, backend)
-    floors = noise_floors(x["q"], x["k"], x["v"], **attention_kwargs(problem, x))
-    results = _forward_checks(problem, to_host(out), to_host(lse), ref_out, ref_lse, floors, backend)
+    floors = noise_floors(x["q"], x["k"], x["v"], **kw_host)
+    ref = {"out": ref_out, "lse": ref_lse}
+    bounds = _bounds(problem, x, kw_host, backend, ref, floors, ("out", "lse"))
+    results = _forward_checks(to_host(out), to_host(lse), ref_out, ref_lse, floors, bounds)
     _assert_all(results, problem, backend)
 
 
-@given(problem=PROBLEMS)
-def test_backward_matches_reference(backend: str, problem: AttentionProblem) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
+    problem = data.draw(PROBLEMS[dtype], label="problem")
     x = make_inputs(problem)
     kw_host = attention_kwargs(problem, x)
     ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
@@ -174,16 +363,18 @@ def test_backward_matches_reference(backend: str, problem: AttentionProblem) -> 
     ret = flash_attn_backward(
         dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
         **_device_kwargs(problem, x, backend), dq=dq, dk=dk, dv=dv, backend=backend,
+        **_dtype_kwargs(problem),
     )
     assert ret[0] is dq and ret[1] is dk and ret[2] is dv, "the dq=/dk=/dv= buffers must be returned"
 
-    bounds = BOUNDS[(backend, problem.dtype)]
     floors = noise_floors(x["q"], x["k"], x["v"], x["dout"], **kw_host)
+    ref = {"out": ref_out, "lse": ref_lse, "dq": ref_dq, "dk": ref_dk, "dv": ref_dv}
+    bounds = _bounds(problem, x, kw_host, backend, ref, floors, tuple(ref))
     row_empty = ~np.isfinite(ref_lse)[..., None]  # rows that see no key: dq = 0
     # Keys that no row sees: dk = dv = 0 exactly (with random dout, dv_j is 0
     # only when the whole column of P is).
     key_unseen = np.all(ref_dv == 0.0, axis=-1, keepdims=True)
-    results = _forward_checks(problem, to_host(out), to_host(lse), ref_out, ref_lse, floors, backend)
+    results = _forward_checks(to_host(out), to_host(lse), ref_out, ref_lse, floors, bounds)
     results += [
         check("dq", to_host(dq), ref_dq, rtol_norm=bounds["dq"],
               atol=bounds["dq"] * floors["dq"], exact=row_empty),
@@ -205,16 +396,18 @@ def _bytes(*arrays: Any) -> Tuple[bytes, ...]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_bit_identical(cuda: None, causal: bool) -> None:
-    problem = AttentionProblem(B=2, H=3, Nq=700, Nk=700, D=64, causal=causal, seed=11)
+def test_deterministic_backward_is_bit_identical(cuda: None, causal: bool, dtype: str) -> None:
+    problem = AttentionProblem(B=2, H=3, Nq=700, Nk=700, D=64 if dtype == "float32" else 128,
+                               dtype=dtype, causal=causal, seed=11)
     x = make_inputs(problem)
     out, lse, dev = _run_forward(problem, x, "cuda")
     runs = []
     for _ in range(3):
         grads = flash_attn_backward(
             dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
-            causal=causal, deterministic=True, backend="cuda",
+            causal=causal, deterministic=True, backend="cuda", **_dtype_kwargs(problem),
         )
         runs.append(_bytes(*grads))
     assert runs[0] == runs[1], "deterministic backward differs between runs 1 and 2"

@@ -9,11 +9,13 @@ one test that copies device ``key_lengths`` to the host).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import re
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -306,12 +308,15 @@ def test_lse_shape(kind: str, shape: Tuple[int, ...]) -> None:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.float16, np.complex64, np.bool_])
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.int16, np.complex64, np.bool_])
 def test_unsupported_dtype(kind: str, dtype: Any) -> None:
     q, k = make(kind, Q_SHAPE, dtype), make(kind, K_SHAPE, dtype)
     args = fwd_args(kind, q=q, k=k, v=make(kind, K_SHAPE, dtype))
     name = np.dtype(dtype).name
-    expected = rf"q has dtype {name}, which is not supported; supported dtypes: float32"
+    expected = (
+        rf"q has dtype {name}, which is not supported; "
+        r"supported dtypes: float32, float16, bfloat16"
+    )
     with pytest.raises(TypeError, match=expected):
         run_fwd(args)
 
@@ -723,10 +728,11 @@ def test_device_key_lengths_copied_and_checked(kind: str) -> None:
 def test_void_typestr(typestr: str) -> None:
     itemsize = np.dtype(typestr).itemsize
     q = FakeDeviceArray(Q_SHAPE, np.float32, typestr=typestr)
+    hint = "pass dtype='bfloat16'" if itemsize == 2 else "pass dtype= to name it"
     with pytest.raises(
         TypeError,
         match=rf"the {itemsize}-byte type cannot be identified from __cuda_array_interface__.*"
-        r"bfloat16 device tensors need __dlpack__ support or an explicit dtype",
+        rf"no __dlpack__ that would identify it; {hint}",
     ):
         run_fwd(fwd_args("device", q=q))
 
@@ -970,3 +976,474 @@ def test_tensor_requiring_grad_is_read_through_its_detached_view():
     op = as_operand(_GradTensor(inner), "q")
     assert op.kind == "device" and op.ptr == inner.__cuda_array_interface__["data"][0]
     assert isinstance(op.obj, _GradTensor)
+
+
+# --------------------------------------------------------------------------
+# float16 and bfloat16
+# --------------------------------------------------------------------------
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HALF_DTYPES = (np.dtype(np.float16), BF16)
+HALF_IDS = ("float16", "bfloat16")
+
+
+def _dtype_kw(kind: str, dtype: np.dtype) -> Dict[str, Any]:
+    """``dtype=`` for fake bfloat16 device arrays, whose typestr is the opaque '<V2'."""
+    return {"dtype": "bfloat16"} if kind == "device" and dtype == BF16 else {}
+
+
+def half_fwd_args(kind: str, elem: np.dtype, **overrides: Any) -> Dict[str, Any]:
+    """Valid forward arguments in the 2-byte dtype ``elem``."""
+    args: Dict[str, Any] = dict(
+        q=make(kind, Q_SHAPE, elem), k=make(kind, K_SHAPE, elem), v=make(kind, K_SHAPE, elem),
+        **_dtype_kw(kind, elem),
+    )
+    args.update(overrides)
+    return args
+
+
+def half_bwd_args(kind: str, elem: np.dtype, **overrides: Any) -> Dict[str, Any]:
+    """Valid backward arguments in the 2-byte dtype ``elem`` (lse float32)."""
+    args: Dict[str, Any] = dict(
+        dout=make(kind, Q_SHAPE, elem), q=make(kind, Q_SHAPE, elem),
+        k=make(kind, K_SHAPE, elem), v=make(kind, K_SHAPE, elem),
+        out=make(kind, Q_SHAPE, elem), lse=make(kind, LSE_SHAPE),
+        **_dtype_kw(kind, elem),
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_half_dtypes_accepted(kind: str, dtype: np.dtype) -> None:
+    outs = dict(out=make(kind, Q_SHAPE, dtype), lse=make(kind, LSE_SHAPE))
+    prob = run_fwd(half_fwd_args(kind, dtype, **outs))
+    assert prob.dtype == dtype
+    assert prob.q.dtype == prob.out.dtype == dtype and prob.lse.dtype == np.float32
+    grads = dict(dq=make(kind, Q_SHAPE, dtype), dk=make(kind, K_SHAPE, dtype),
+                 dv=make(kind, K_SHAPE, dtype))
+    prob = run_bwd(half_bwd_args(kind, dtype, **grads))
+    assert prob.dtype == dtype
+    assert all(getattr(prob, n).dtype == dtype for n in ("dout", "out", "dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("name", ["k", "v", "out"])
+def test_half_mixed_with_float32(kind: str, dtype: np.dtype, name: str) -> None:
+    shape = K_SHAPE if name in ("k", "v") else Q_SHAPE
+    label = HALF_IDS[HALF_DTYPES.index(dtype)]
+    with pytest.raises(TypeError, match=rf"{name} has dtype float32 but q has {label}"):
+        run_fwd(half_fwd_args("host", dtype, **{name: make("host", shape)}))
+    with pytest.raises(TypeError, match=rf"{name} has dtype {label} but q has float32"):
+        run_fwd(fwd_args("host", **{name: make("host", shape, dtype)}))
+
+
+@pytest.mark.parametrize("name", ["dout", "dq", "dk", "dv"])
+def test_half_backward_mixed(kind: str, name: str) -> None:
+    shape = K_SHAPE if name in ("dk", "dv") else Q_SHAPE
+    args = half_bwd_args(kind, np.dtype(np.float16), **{name: make(kind, shape, np.float32)})
+    with pytest.raises(TypeError, match=rf"{name} has dtype float32 but q has float16"):
+        run_bwd(args)
+
+
+def test_float16_and_bfloat16_do_not_mix() -> None:
+    args = half_fwd_args("host", np.dtype(np.float16), v=make("host", K_SHAPE, BF16))
+    with pytest.raises(TypeError, match="v has dtype bfloat16 but q has float16"):
+        run_fwd(args)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_half_lse_must_be_float32(kind: str, dtype: np.dtype) -> None:
+    label = HALF_IDS[HALF_DTYPES.index(dtype)]
+    lse = make(kind, LSE_SHAPE, dtype)
+    with pytest.raises(TypeError, match=rf"lse must have dtype float32, got {label}"):
+        run_fwd(half_fwd_args(kind, dtype, lse=lse))
+    with pytest.raises(TypeError, match=rf"lse must have dtype float32, got {label}"):
+        run_bwd(half_bwd_args(kind, dtype, lse=lse))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("mask_dtype, mask_kind", [(np.bool_, "bool"), (np.float32, "float")])
+def test_half_inputs_bool_or_float32_mask(
+    kind: str, dtype: np.dtype, mask_dtype: Any, mask_kind: str
+) -> None:
+    prob = run_fwd(half_fwd_args(kind, dtype, mask=make(kind, (NQ, NK), mask_dtype)))
+    assert prob.mask_kind == mask_kind and prob.mask.dtype == np.dtype(mask_dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+def test_half_inputs_mask_in_input_dtype(kind: str, dtype: np.dtype) -> None:
+    prob = run_fwd(half_fwd_args(kind, dtype, mask=make(kind, (NQ, NK), dtype)))
+    assert prob.mask_kind == "float" and prob.mask.dtype == dtype
+
+
+def test_half_inputs_mask_of_the_other_half_dtype(kind: str) -> None:
+    f16 = np.dtype(np.float16)
+    with pytest.raises(TypeError, match="mask must have dtype bool, float32, float16, got bfloat16"):
+        # A device bfloat16 mask identifies itself through __dlpack__.
+        mask = make(kind, (NQ, NK), BF16) if kind == "host" else bf16_dlpack((NQ, NK))
+        run_fwd(half_fwd_args(kind, f16, mask=mask))
+    with pytest.raises(TypeError, match="mask must have dtype bool, float32, bfloat16, got float16"):
+        run_fwd(half_fwd_args(kind, BF16, mask=make(kind, (NQ, NK), f16)))
+    with pytest.raises(TypeError, match="mask must have dtype bool, float32, float16, got float64"):
+        run_fwd(half_fwd_args(kind, f16, mask=make(kind, (NQ, NK), np.float64)))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=HALF_IDS)
+@pytest.mark.parametrize("name", ["q", "k", "out", "dq", "dv"])
+def test_half_device_pointer_alignment_is_two_bytes(dtype: np.dtype, name: str) -> None:
+    shape = K_SHAPE if name in ("k", "v", "dk", "dv") else Q_SHAPE
+    # Offset 2 is aligned for a 2-byte type ...
+    ok = FakeDeviceArray(shape, dtype, offset=2)
+    assert run_bwd(half_bwd_args("device", dtype, **{name: ok})).dtype == dtype
+    # ... offset 1 is not.
+    bad = FakeDeviceArray(shape, dtype, offset=1)
+    expected = rf"{name} device pointer {bad.ptr:#x} is not aligned to its element size of 2 bytes"
+    with pytest.raises(ValueError, match=expected):
+        run_bwd(half_bwd_args("device", dtype, **{name: bad}))
+
+
+def test_half_byte_stride_must_be_even() -> None:
+    k = FakeDeviceArray(K_SHAPE, np.float16, byte_strides=(2 * 84, 2 * 28, 7, 2))
+    with pytest.raises(ValueError, match="k has a byte stride of 7 .* not a multiple of its item size 2"):
+        run_fwd(half_fwd_args("device", np.dtype(np.float16), k=k))
+
+
+def test_half_transposed_layout_strides_in_elements(kind: str) -> None:
+    q = make_permuted(kind, (B, NQ, H, D), (0, 2, 1, 3), BF16)
+    k = make_permuted(kind, (B, NK, H, D), (0, 2, 1, 3), BF16)
+    prob = validate_forward(q, k, k, **_dtype_kw(kind, BF16))
+    assert prob.q.strides == (NQ * H * D, D, H * D, 1)
+    assert prob.dtype == BF16
+
+
+# --------------------------------------------------------------------------
+# opaque '<V2' element types: __dlpack__ or an explicit dtype
+# --------------------------------------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_PyCapsule_New = ctypes.PYFUNCTYPE(
+    ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p
+)(("PyCapsule_New", ctypes.pythonapi))
+
+
+class HandBuiltCapsule:
+    """A DLPack capsule around a DLManagedTensor built here (no destructor).
+
+    numpy cannot export bfloat16 through DLPack, so the bfloat16 case needs
+    its own struct.  The struct, shape array and capsule name are kept alive
+    with this object.
+    """
+
+    def __init__(self, shape: Sequence[int], code: int, bits: int, lanes: int = 1,
+                 *, versioned: bool = False, device_type: int = 2, ptr: int = 0x7E00_0000_0000) -> None:
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        tensor = _DLTensor(
+            data=ptr, device=_DLDevice(device_type, 0), ndim=len(shape),
+            dtype=_DLDataType(code, bits, lanes), shape=self.shape, strides=None, byte_offset=0,
+        )
+        if versioned:
+            self.struct: Any = _DLManagedTensorVersioned(major=1, minor=0, flags=0, dl_tensor=tensor)
+            self.name = b"dltensor_versioned"
+        else:
+            self.struct = _DLManagedTensor(dl_tensor=tensor)
+            self.name = b"dltensor"
+        self.capsule = _PyCapsule_New(ctypes.addressof(self.struct), self.name, None)
+
+
+class FakeDlpackArray(FakeDeviceArray):
+    """A fake device array whose typestr is '<V2' and that has ``__dlpack__``.
+
+    ``capsule()`` makes the capsule that ``__dlpack__`` returns; the keyword
+    arguments of each call are recorded in ``calls``.
+    """
+
+    def __init__(self, shape: Sequence[int], capsule: Any, **kw: Any) -> None:
+        super().__init__(shape, np.float16, typestr="<V2", **kw)
+        self._capsule = capsule
+        self.calls: list = []
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self._capsule()
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return (2, 0)
+
+
+def bf16_dlpack(shape: Sequence[int], **kw: Any) -> FakeDlpackArray:
+    """A '<V2' fake whose DLPack capsule says bfloat16 (kDLBfloat, 16 bits)."""
+    built: list = []
+
+    def capsule() -> Any:
+        built.append(HandBuiltCapsule(shape, code=4, bits=16))
+        return built[-1].capsule
+
+    arr = FakeDlpackArray(shape, capsule, **kw)
+    arr.built = built
+    return arr
+
+
+def numpy_dlpack(shape: Sequence[int], dtype: Any) -> FakeDlpackArray:
+    """A '<V2' fake whose capsule is numpy's own export of a host array of ``dtype``."""
+    host = np.zeros(shape, dtype)
+    return FakeDlpackArray(shape, lambda: host.__dlpack__())
+
+
+def test_dlpack_capsule_parser_on_numpy_capsules() -> None:
+    from pycudaflash._arrays import _capsule_type
+
+    assert _capsule_type(np.zeros(3, np.float16).__dlpack__()) == (2, 16, 1)
+    assert _capsule_type(np.zeros(3, np.uint16).__dlpack__()) == (1, 16, 1)
+    assert _capsule_type(np.zeros(3, np.float32).__dlpack__()) == (2, 32, 1)
+    assert _capsule_type(np.zeros(3, np.int8).__dlpack__()) == (0, 8, 1)
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+def test_dlpack_capsule_parser_on_hand_built_capsules(versioned: bool) -> None:
+    from pycudaflash._arrays import _capsule_type
+
+    built = HandBuiltCapsule((2, 3), code=4, bits=16, versioned=versioned)
+    assert _capsule_type(built.capsule) == (4, 16, 1)
+    built = HandBuiltCapsule((2, 3), code=2, bits=16, lanes=2, versioned=versioned)
+    assert _capsule_type(built.capsule) == (2, 16, 2)
+
+
+def test_dlpack_capsule_parser_rejects_other_objects() -> None:
+    from pycudaflash._arrays import _capsule_type
+
+    target = ctypes.c_int64(0)
+    wrong_name = _PyCapsule_New(ctypes.addressof(target), b"something_else", None)
+    for bad in (wrong_name, object(), b"dltensor"):
+        with pytest.raises(TypeError, match="not an unconsumed DLPack capsule"):
+            _capsule_type(bad)
+
+
+def test_bfloat16_recognised_through_dlpack(kind: str) -> None:
+    q, k, v = bf16_dlpack(Q_SHAPE), bf16_dlpack(K_SHAPE), bf16_dlpack(K_SHAPE)
+    prob = validate_forward(q, k, v)
+    assert prob.dtype == BF16 and prob.q.dtype == BF16
+    assert prob.q.ptr == q.ptr
+    # The producer was asked not to synchronise any stream.
+    assert q.calls == [{"stream": -1}]
+
+
+def test_bfloat16_dlpack_backward_with_float32_lse() -> None:
+    args = dict(
+        dout=bf16_dlpack(Q_SHAPE), q=bf16_dlpack(Q_SHAPE), k=bf16_dlpack(K_SHAPE),
+        v=bf16_dlpack(K_SHAPE), out=bf16_dlpack(Q_SHAPE), lse=make("device", LSE_SHAPE),
+        dq=bf16_dlpack(Q_SHAPE), dk=bf16_dlpack(K_SHAPE), dv=bf16_dlpack(K_SHAPE),
+    )
+    prob = run_bwd(args)
+    assert prob.dtype == BF16 and prob.dq.dtype == BF16 and prob.lse.dtype == np.float32
+
+
+def test_float16_recognised_through_numpy_dlpack() -> None:
+    q, k = numpy_dlpack(Q_SHAPE, np.float16), numpy_dlpack(K_SHAPE, np.float16)
+    prob = validate_forward(q, k, k)
+    assert prob.dtype == np.float16
+
+
+def test_dlpack_capsule_is_released_not_consumed() -> None:
+    import gc
+    import weakref
+
+    host = np.zeros(Q_SHAPE, np.float16)
+    alive = weakref.ref(host)
+    q = FakeDlpackArray(Q_SHAPE, host.__dlpack__)
+    del host
+    assert validate_forward(q, q, q).dtype == np.float16
+    del q
+    gc.collect()
+    # numpy's capsule destructor frees the export only if the capsule was not
+    # consumed (renamed); otherwise the array would stay alive.
+    assert alive() is None
+
+
+@pytest.mark.parametrize(
+    "dtype, text", [(np.uint16, "uint16"), (np.int16, "int16")]
+)
+def test_dlpack_other_2_byte_types_rejected(dtype: Any, text: str) -> None:
+    q = numpy_dlpack(Q_SHAPE, dtype)
+    with pytest.raises(TypeError, match=rf"q has element type {text} according to __dlpack__"):
+        validate_forward(q, make("device", K_SHAPE, np.float16), make("device", K_SHAPE, np.float16))
+
+
+def test_dlpack_vector_lanes_rejected() -> None:
+    keep = []
+
+    def capsule() -> Any:
+        keep.append(HandBuiltCapsule(Q_SHAPE, 2, 16, lanes=2))
+        return keep[-1].capsule
+
+    q = FakeDlpackArray(Q_SHAPE, capsule)
+    with pytest.raises(TypeError, match="q has element type float16 x 2 lanes according to __dlpack__"):
+        validate_forward(q, q, q)
+
+
+def test_dlpack_size_disagreeing_with_typestr() -> None:
+    host = np.zeros(Q_SHAPE, np.float32)
+    q = FakeDlpackArray(Q_SHAPE, lambda: host.__dlpack__())
+    with pytest.raises(TypeError, match=r"'<V2' .* but __dlpack__ reports float32 \(4 bytes\)"):
+        validate_forward(q, q, q)
+
+
+def test_failing_dlpack_is_a_type_error() -> None:
+    def boom() -> Any:
+        raise BufferError("cannot export")
+
+    q = FakeDlpackArray(Q_SHAPE, boom)
+    with pytest.raises(TypeError, match=r"q has an opaque .* __dlpack__ failed \(BufferError"):
+        validate_forward(q, q, q)
+
+
+@pytest.mark.parametrize(
+    "spelling", ["bfloat16", "torch.bfloat16", BF16, ml_dtypes.bfloat16],
+    ids=["name", "torch-name", "dtype", "scalar-type"],
+)
+def test_explicit_dtype_names_opaque_inputs(spelling: Any) -> None:
+    q = FakeDeviceArray(Q_SHAPE, BF16)
+    k = FakeDeviceArray(K_SHAPE, BF16)
+    assert q.__cuda_array_interface__["typestr"] == "<V2"
+    prob = validate_forward(q, k, k, dtype=spelling, out=FakeDeviceArray(Q_SHAPE, BF16))
+    assert prob.dtype == BF16 and prob.out.dtype == BF16
+
+
+def test_explicit_float16_names_opaque_inputs() -> None:
+    q = FakeDeviceArray(Q_SHAPE, typestr="<V2")
+    k = FakeDeviceArray(K_SHAPE, typestr="<V2")
+    assert validate_forward(q, k, k, dtype=np.float16).dtype == np.float16
+
+
+def test_explicit_dtype_with_typed_inputs(kind: str) -> None:
+    # Typed inputs need no dtype=, but may carry one that agrees.
+    for dtype, name in ((np.dtype(np.float32), "float32"), (np.dtype(np.float16), "float16"),
+                        (BF16, "bfloat16")):
+        args = fwd_args(kind, q=make(kind, Q_SHAPE, dtype), k=make(kind, K_SHAPE, dtype),
+                        v=make(kind, K_SHAPE, dtype), dtype=name)
+        if kind == "host" or dtype != BF16:
+            assert run_fwd(args).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_explicit_dtype_conflicts_with_typed_input(kind: str, dtype: str) -> None:
+    args = half_fwd_args(kind, np.dtype(np.float16), dtype=dtype)
+    with pytest.raises(TypeError, match=rf"q has dtype float16 but dtype='{dtype}' was given"):
+        run_fwd(args)
+
+
+def test_explicit_dtype_conflicts_with_dlpack() -> None:
+    q = numpy_dlpack(Q_SHAPE, np.float16)
+    with pytest.raises(TypeError, match="q has dtype float16 but dtype='bfloat16' was given"):
+        validate_forward(q, q, q, dtype="bfloat16")
+    q = bf16_dlpack(Q_SHAPE)
+    with pytest.raises(TypeError, match="q has dtype bfloat16 but dtype='float16' was given"):
+        validate_forward(q, q, q, dtype="float16")
+
+
+def test_explicit_dtype_conflicts_with_one_output() -> None:
+    q = FakeDeviceArray(Q_SHAPE, BF16)
+    k = FakeDeviceArray(K_SHAPE, BF16)
+    out = FakeDeviceArray(Q_SHAPE, np.float16)
+    with pytest.raises(TypeError, match="out has dtype float16 but dtype='bfloat16' was given"):
+        validate_forward(q, k, k, out=out, dtype="bfloat16")
+
+
+def test_explicit_dtype_of_other_size_cannot_name_v2() -> None:
+    q = FakeDeviceArray(Q_SHAPE, BF16)
+    with pytest.raises(TypeError, match=r"opaque 2-byte element type '<V2' .* dtype='float32'"):
+        validate_forward(q, q, q, dtype="float32")
+
+
+@pytest.mark.parametrize("bad", ["float64", "int16", "half-ish", np.float64, 3, object()])
+def test_explicit_dtype_unsupported(kind: str, bad: Any) -> None:
+    with pytest.raises(TypeError, match="dtype must be None or one of 'float32', 'float16', 'bfloat16'"):
+        run_fwd(fwd_args(kind, dtype=bad))
+
+
+def test_opaque_inputs_need_dlpack_or_dtype_in_backward() -> None:
+    args = half_bwd_args("device", BF16)
+    del args["dtype"]
+    with pytest.raises(TypeError, match=r"dout has the opaque element type '<V2'.*pass dtype='bfloat16'"):
+        run_bwd(args)
+
+
+def test_opaque_mask_is_named_by_dtype_too() -> None:
+    prob = run_fwd(half_fwd_args("device", BF16, mask=FakeDeviceArray((NQ, NK), BF16)))
+    assert prob.mask.dtype == BF16 and prob.mask_kind == "float"
+
+
+def test_opaque_tensor_requiring_grad_uses_dlpack_of_detached_view() -> None:
+    q = _GradTensor(bf16_dlpack(Q_SHAPE))
+    k = _GradTensor(bf16_dlpack(K_SHAPE))
+    prob = validate_forward(q, k, k)
+    assert prob.dtype == BF16 and prob.q.obj is q
+
+
+def test_output_buffer_requiring_grad_is_not_read_only() -> None:
+    out = _GradTensor(FakeDeviceArray(Q_SHAPE))
+    assert run_fwd(fwd_args("device", out=out)).out.obj is out
+
+
+API_DTYPE_CASES = [
+    (lambda: dict(q=FakeDeviceArray(Q_SHAPE, BF16), k=FakeDeviceArray(K_SHAPE, BF16),
+                  v=FakeDeviceArray(K_SHAPE, BF16)), "pass dtype='bfloat16'"),
+    (lambda: dict(q=numpy_dlpack(Q_SHAPE, np.float16), k=numpy_dlpack(K_SHAPE, np.float16),
+                  v=numpy_dlpack(K_SHAPE, np.float16), dtype="bfloat16"),
+     "q has dtype float16 but dtype='bfloat16' was given"),
+    (lambda: dict(q=make("host", Q_SHAPE, np.float16), k=make("host", K_SHAPE, np.float16),
+                  v=make("host", K_SHAPE, np.float16), dtype="bfloat16"),
+     "q has dtype float16 but dtype='bfloat16' was given"),
+    (lambda: dict(q=make("host", Q_SHAPE, np.float16), k=make("host", K_SHAPE),
+                  v=make("host", K_SHAPE, np.float16)), "k has dtype float32 but q has float16"),
+    (lambda: dict(q=numpy_dlpack(Q_SHAPE, np.uint16), k=make("device", K_SHAPE, np.float16),
+                  v=make("device", K_SHAPE, np.float16)), "element type uint16 according to __dlpack__"),
+    (lambda: dict(q=make("host", Q_SHAPE), k=make("host", K_SHAPE), v=make("host", K_SHAPE),
+                  dtype="float64"), "dtype must be None or one of"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(API_DTYPE_CASES)))
+def test_public_api_dtype_errors_before_any_launch(case: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pycudaflash import api
+
+    def no_launch(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a backend was chosen although validation should have failed")
+
+    monkeypatch.setattr(api, "choose_backend", no_launch)
+    make_args, match = API_DTYPE_CASES[case]
+    args = make_args()
+    with pytest.raises(TypeError, match=re.escape(match)):
+        pycudaflash.flash_attn_forward(**args)
+    q, k, v = args["q"], args["k"], args["v"]
+    bwd = dict(out=q, lse=make("host" if isinstance(q, np.ndarray) else "device", LSE_SHAPE))
+    extra = {"dtype": args["dtype"]} if "dtype" in args else {}
+    with pytest.raises(TypeError, match=re.escape(match)):
+        pycudaflash.flash_attn_backward(q, q, k, v, bwd["out"], bwd["lse"], **extra)
