@@ -186,6 +186,7 @@ class _CudaRunner(_Runner):
         import pycuda.driver as drv
 
         self.stream = drv.Stream()
+        self.dtype = "float32"
         self.warmup = warmup
         self.repeat = repeat
 
@@ -193,6 +194,8 @@ class _CudaRunner(_Runner):
         import pycuda.gpuarray as gpuarray
 
         dkw = dict(kw)
+        # GPUArrays of ml_dtypes.bfloat16 export the opaque '<V2': name the dtype.
+        dkw["dtype"] = self.dtype
         if isinstance(dkw.get("mask"), np.ndarray):
             dkw["mask"] = gpuarray.to_gpu(np.ascontiguousarray(dkw["mask"]))
         return dkw
@@ -272,6 +275,7 @@ def _run_case(case: Case, runner: _Runner, rng: np.random.Generator, dtype: str 
         "dout": rng.standard_normal((B, H, Nq, D)).astype(dt),
     }
     kw = case.extras(dims, rng)
+    runner.dtype = dtype
     try:
         out, lse, row.fwd_ms = runner.forward(arrays, kw)
         ref_out, ref_lse = reference_forward(arrays["q"], arrays["k"], arrays["v"], **kw)

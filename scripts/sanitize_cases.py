@@ -51,6 +51,7 @@ def main(argv=None) -> int:
             all_cases["float_mask_" + dtype] = {"mask": cases["float_mask"]["mask"].astype(np_dtype)}
         for name, kw in all_cases.items():
             dkw = {key: (gpuarray.to_gpu(val) if key == "mask" else val) for key, val in kw.items()}
+            dkw["dtype"] = dtype  # a bfloat16 GPUArray exports the opaque '<V2'
             out, lse = pf.flash_attn_forward(gq, gk, gv, **dkw)
             ro, rl = reference_forward(q, k, v, **kw)
             rdq, rdk, rdv = reference_backward(do, q, k, v, **kw)
