@@ -1,6 +1,6 @@
 """Tile sweep of the float16 kernels against torch SDPA's flash backend (development tool).
 
-    python3 scripts/f16_tune.py sweep        # every config in CONFIGS, TF/s table
+    python3 scripts/f16_tune.py sweep        # every config of CONFIG_SETS[$F16_TUNE_SET], TF/s table
     python3 scripts/f16_tune.py profile      # one fwd + bwd call each, for ncu
 """
 
@@ -16,15 +16,28 @@ from pycudaflash import compiler, cuda_backend, flash_attn_backward, flash_attn_
 cuda_backend.activate()
 
 # (head dim, spec for PYCUDAFLASH_TILES, which passes it changes)
-CONFIGS = [
-    (64, "", "both"),
-    (64, "h64:fwd_mt=1,fwd_bc=128", "fwd"),
-    (128, "", "both"),
-    (128, "h128:fwd_mt=1,fwd_bc=64", "fwd"),
-    (128, "h128:bwd_br=32", "bwd"),
-    (256, "", "both"),
-    (256, "h256:fwd_warps=8", "fwd"),
-]
+CONFIG_SETS = {
+    "fwd": [
+        (64, "", "both"),
+        (64, "h64:fwd_mt=1,fwd_bc=128", "fwd"),
+        (128, "", "both"),
+        (128, "h128:fwd_mt=1,fwd_bc=64", "fwd"),
+        (256, "", "both"),
+        (256, "h256:fwd_warps=8", "fwd"),
+    ],
+    "bwd": [
+        (64, "", "bwd"),
+        (64, "h64:bwd_br=64", "bwd"),
+        (64, "h64:bwd_bc=64", "bwd"),
+        (128, "", "bwd"),
+        (128, "h128:bwd_br=32", "bwd"),
+        (128, "h128:bwd_bc=64", "bwd"),
+        (128, "h128:bwd_br=128,bwd_bc=64", "bwd"),
+        (256, "", "bwd"),
+        (256, "h256:bwd_br=64", "bwd"),
+    ],
+}
+CONFIGS = CONFIG_SETS[os.environ.get("F16_TUNE_SET", "fwd")]
 SHAPES = [(4096, False), (16384, True)]
 
 
@@ -104,7 +117,7 @@ def sweep():
 
 
 def profile():
-    q, k, v, do = inputs(128, 4096)
+    q, k, v, do = inputs(int(os.environ.get("F16_TUNE_D", "128")), 4096)
     out, lse = flash_attn_forward(q, k, v)
     for _ in range(2):
         flash_attn_forward(q, k, v, out=out)
