@@ -121,9 +121,15 @@ def tiles(head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> 
     ``"128:fwd_bc=32,bwd_br=32;h64:fwd_bc=128,fwd_mt=2"`` (an ``h`` before
     the head dim selects the float16/bfloat16 kernels).
     """
+    return _tiles(head_dim, dtype, _lean(arch), os.environ.get("PYCUDAFLASH_TILES", "").strip())
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
+    """:func:`tiles` for one architecture class and override spec (memoised)."""
     half = dtype != "float32"
     big = head_dim > 128
-    if half and _lean(arch):
+    if half and lean:
         sizes = dict(
             fwd_warps=4,
             fwd_mt=1,
@@ -154,15 +160,15 @@ def tiles(head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> 
             dq_br=16 * DQ_WARPS,
             dq_bc=32 if big else 64,
         )
-    sizes.update(_tile_overrides().get(("h" if half else "") + str(head_dim), {}))
+    sizes.update(_parse_tile_spec(spec).get(("h" if half else "") + str(head_dim), {}))
     if not half and (sizes.get("fwd_warps", FWD_WARPS) != FWD_WARPS or sizes.get("fwd_mt", 1) != 1):
         raise ValueError("PYCUDAFLASH_TILES: the float32 forward has fixed warps")
     sizes["fwd_br"] = 16 * sizes.get("fwd_warps", FWD_WARPS) * sizes.get("fwd_mt", 1)
     return Tiles(**sizes)
 
 
-def _tile_overrides() -> Dict[str, Dict[str, int]]:
-    spec = os.environ.get("PYCUDAFLASH_TILES", "").strip()
+def _parse_tile_spec(spec: str) -> Dict[str, Dict[str, int]]:
+    """``$PYCUDAFLASH_TILES`` as {bucket key: {tile name: size}}."""
     out: Dict[str, Dict[str, int]] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         hd, _, items = part.partition(":")
@@ -289,11 +295,19 @@ def _context_key() -> int:
     return int(ctx.handle)
 
 
+_arches: Dict[int, str] = {}
+
+
 def arch_of_current_device() -> str:
+    """``sm_XY`` of the current context's device (memoised per context)."""
     import pycuda.driver as drv
 
-    major, minor = drv.Context.get_device().compute_capability()
-    return f"sm_{major}{minor}"
+    key = _context_key()
+    arch = _arches.get(key)
+    if arch is None:
+        major, minor = drv.Context.get_device().compute_capability()
+        arch = _arches[key] = f"sm_{major}{minor}"
+    return arch
 
 
 def get_module(pass_: str, defs: Dict[str, int]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -288,6 +288,34 @@ def _kernel_dtype(prob: Problem) -> str:
     return name
 
 
+class _Variant(NamedTuple):
+    """The compiled variant a problem needs for one pass, on the current device."""
+
+    pass_: str
+    defs: Dict[str, int]
+    tiles: "compiler.Tiles"
+    head_dim: int
+    dtype: str
+    arch: str
+
+    def smem(self, kernel: str) -> int:
+        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch)
+
+    def function(self, kernel: str, arg_format: str, with_smem: bool = False):
+        return compiler.get_function(self.pass_, self.defs, kernel, arg_format,
+                                     self.smem(kernel) if with_smem else 0)
+
+
+def _variant(prob: Problem, kind: str) -> _Variant:
+    """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob``."""
+    dt = _kernel_dtype(prob)
+    arch = compiler.arch_of_current_device()
+    pass_ = compiler.pass_name(kind, dt)
+    hd = compiler.head_dim_bucket(prob.D, dt)
+    return _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
+                    compiler.tiles(hd, dt, arch), hd, dt, arch)
+
+
 def _three(strides) -> Tuple[int, int, int]:
     return int(strides[0]), int(strides[1]), int(strides[2])
 
@@ -303,15 +331,11 @@ def run_forward(prob: Problem, stream=None):
     activate()
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    dt = _kernel_dtype(prob)
-    arch = compiler.arch_of_current_device()
-    pass_ = compiler.pass_name("fwd", dt)
-    hd = compiler.head_dim_bucket(D, dt)
-    defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch)
-    tiles = compiler.tiles(hd, dt, arch)
-    smem = compiler.smem_bytes("flash_fwd_kernel", hd, dt, arch)
-    fn = compiler.get_function(pass_, defs, "flash_fwd_kernel", _FWD_FORMAT, smem)
-    conv = _mask_converter(prob, pass_, defs)
+    var = _variant(prob, "fwd")
+    tiles = var.tiles
+    smem = var.smem("flash_fwd_kernel")
+    fn = var.function("flash_fwd_kernel", _FWD_FORMAT, with_smem=True)
+    conv = _mask_converter(prob, var)
 
     q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
     out = _output(prob.out, (B, H, Nq, D), prob.dtype, prob.on_device)
@@ -338,14 +362,14 @@ def run_forward(prob: Problem, stream=None):
     return _result(out, prob.out), _result(lse, prob.lse)
 
 
-def _mask_converter(prob: Problem, pass_: str, defs):
+def _mask_converter(prob: Problem, var: _Variant):
     """The 16-bit float mask conversion kernel, where the problem needs it."""
     m = prob.mask
     if m is None or not m.on_device or m.dtype.kind == "b" or m.dtype == np.float32:
         return None
-    if not pass_.endswith("_f16") or m.dtype != np.dtype(prob.dtype):
-        raise TypeError(f"a {m.dtype} mask is not supported for {np.dtype(prob.dtype).name} inputs")
-    return compiler.get_function(pass_, defs, "flash_convert_mask", _MASK_CONVERT_FORMAT)
+    if var.dtype == "float32" or m.dtype != np.dtype(prob.dtype):
+        raise TypeError(f"a {m.dtype} mask is not supported for {var.dtype} inputs")
+    return var.function("flash_convert_mask", _MASK_CONVERT_FORMAT)
 
 
 # ----------------------------------------------------------------- backward
@@ -363,21 +387,17 @@ def run_backward(prob: Problem, stream=None):
     activate()
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    dt = _kernel_dtype(prob)
-    arch = compiler.arch_of_current_device()
-    pass_ = compiler.pass_name("bwd", dt)
-    hd = compiler.head_dim_bucket(D, dt)
-    defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch)
-    tiles = compiler.tiles(hd, dt, arch)
-    smem_kv = compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, dt, arch)
-    smem_dq = compiler.smem_bytes("flash_bwd_dq_kernel", hd, dt, arch)
-    f_pre = compiler.get_function(pass_, defs, "flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = compiler.get_function(pass_, defs, "flash_bwd_dkdv_kernel", _DKDV_FORMAT, smem_kv)
+    var = _variant(prob, "bwd")
+    tiles = var.tiles
+    smem_kv = var.smem("flash_bwd_dkdv_kernel")
+    smem_dq = var.smem("flash_bwd_dq_kernel")
+    f_pre = var.function("flash_bwd_preprocess", _PRE_FORMAT)
+    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT, with_smem=True)
     if prob.deterministic:
-        f_dq = compiler.get_function(pass_, defs, "flash_bwd_dq_kernel", _DQ_FORMAT, smem_dq)
+        f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT, with_smem=True)
     else:
-        f_conv = compiler.get_function(pass_, defs, "flash_bwd_convert_dq", _CONVERT_FORMAT)
-    conv = _mask_converter(prob, pass_, defs)
+        f_conv = var.function("flash_bwd_convert_dq", _CONVERT_FORMAT)
+    conv = _mask_converter(prob, var)
 
     q, k, v, o, do = (_input(op, stream) for op in (prob.q, prob.k, prob.v, prob.out, prob.dout))
     lse = _input(prob.lse, stream)

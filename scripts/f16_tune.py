@@ -75,8 +75,6 @@ def warm():
             variants.add((p, tuple(sorted(compiler.defines(p, hd, "none", "float16").items()))))
     os.environ["PYCUDAFLASH_TILES"] = ""
     t = time.perf_counter()
-    for p, d in variants:  # one at a time on failure, so one bad config does not stop the rest
-        pass
     try:
         compiler.warm_cache(jobs=16, variants=[(p, dict(d)) for p, d in variants])
     except Exception as exc:
