@@ -31,6 +31,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 COMMON = "flash_common.cuh"
 COMMON_F16 = "flash_common_f16.cuh"
+WGMMA = "flash_wgmma.cuh"
 #: Source files of each pass, pasted in this order.  The ``*_f16`` passes
 #: serve float16 and bfloat16 (``ELEM_BF16`` picks the type).
 PASSES: Dict[str, Tuple[str, ...]] = {
@@ -38,7 +39,16 @@ PASSES: Dict[str, Tuple[str, ...]] = {
     "bwd": (COMMON, "flash_bwd.cu"),
     "fwd_f16": (COMMON, COMMON_F16, "flash_fwd_f16.cu"),
     "bwd_f16": (COMMON, COMMON_F16, "flash_bwd_f16.cu"),
+    "fwd_sm90": (COMMON, COMMON_F16, WGMMA, "flash_fwd_sm90.cu"),
 }
+#: Passes built for an architecture-specific target (wgmma needs sm_90a).
+PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a"}
+#: Architectures whose 16-bit passes are the Hopper (wgmma) kernels, and the
+#: environment variable that turns them off (``0``: use the mma.sync kernels).
+HOPPER_ARCHES = ("sm_90",)
+HOPPER_ENV = "PYCUDAFLASH_WGMMA"
+#: Passes that have a Hopper version.
+HOPPER_PASSES = {"fwd": "fwd_sm90"}
 #: Input dtypes the kernels implement.
 DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims are padded up to one of these (kernels specialise on the bucket).
@@ -58,11 +68,37 @@ FLOAT_BYTES = 4
 HALF_BYTES = 2
 
 
-def pass_name(kind: str, dtype: str) -> str:
-    """Pass for ``kind`` ('fwd' or 'bwd') and an input dtype name."""
+def pass_name(kind: str, dtype: str, arch: Optional[str] = None) -> str:
+    """Pass for ``kind`` ('fwd' or 'bwd'), an input dtype name and an architecture.
+
+    On Hopper (``arch`` in :data:`HOPPER_ARCHES`) the 16-bit passes with a
+    wgmma version use it unless ``$PYCUDAFLASH_WGMMA`` is ``0``.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"no kernels for dtype {dtype!r}")
-    return kind if dtype == "float32" else f"{kind}_f16"
+    if dtype == "float32":
+        return kind
+    if arch in HOPPER_ARCHES and kind in HOPPER_PASSES and use_hopper_kernels():
+        return HOPPER_PASSES[kind]
+    return f"{kind}_f16"
+
+
+def use_hopper_kernels() -> bool:
+    """Whether ``$PYCUDAFLASH_WGMMA`` allows the Hopper kernels (default yes)."""
+    val = os.environ.get(HOPPER_ENV, "1").strip()
+    if val not in ("0", "1"):
+        raise ValueError(f"${HOPPER_ENV} must be 0 or 1, got {val!r}")
+    return val == "1"
+
+
+def build_arch(pass_: str, arch: str) -> str:
+    """Target a pass is compiled for on a device of architecture ``arch``."""
+    need = PASS_ARCH.get(pass_)
+    if need is None:
+        return arch
+    if arch.rstrip("a") != need.rstrip("a"):
+        raise ValueError(f"pass {pass_!r} runs only on {need.rstrip('a')}, not {arch}")
+    return need
 
 
 def buckets(dtype: str = "float32") -> Tuple[int, ...]:
@@ -103,6 +139,7 @@ class Tiles:
     dq_bc: int
     fwd_warps: int = FWD_WARPS
     fwd_mt: int = 1
+    fwd90_bc: int = 0  # keys per step of the Hopper forward (0: not used here)
 
 
 def _lean(arch: Optional[str]) -> bool:
@@ -150,6 +187,7 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             bwd_bc=64 if big else 128,
             dq_br=16 * DQ_WARPS,
             dq_bc=32 if big else 64,
+            fwd90_bc=128 if head_dim <= 128 else 64,
         )
     else:
         small = head_dim <= 64
@@ -180,9 +218,21 @@ def _parse_tile_spec(spec: str) -> Dict[str, Dict[str, int]]:
     return out
 
 
-def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> int:
+FWD90_BR = 128  # query rows per block of the Hopper forward (2 warpgroups x 64)
+FWD90_THREADS = 256
+SWZ_COLS = 64  # columns of a 128-byte swizzle block (Hopper kernels)
+SMEM_ALIGN = 1024  # alignment slack of the swizzled tiles
+
+
+def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None,
+               pass_: Optional[str] = None) -> int:
     """Dynamic shared memory of a kernel, mirroring the layout in its .cu file."""
     t = tiles(head_dim, dtype, arch)
+    if pass_ == "fwd_sm90":
+        if kernel != "flash_fwd_kernel":
+            return 0
+        hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
+        return (FWD90_BR + 4 * t.fwd90_bc) * hdp * HALF_BYTES + SMEM_ALIGN
     if dtype != "float32":
         ld = head_dim + SMEM_PAD_H
         if kernel == "flash_fwd_kernel":
@@ -210,7 +260,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
-    half = pass_.endswith("_f16")
+    half = pass_ != "fwd" and pass_ != "bwd"
     if half != (dtype != "float32"):
         raise ValueError(f"pass {pass_!r} does not serve dtype {dtype!r}")
     if head_dim not in buckets(dtype):
@@ -219,7 +269,11 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind]}
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
-    if pass_.startswith("fwd"):
+    if pass_ == "fwd_sm90":
+        if not t.fwd90_bc:
+            raise ValueError(f"pass {pass_!r} has no tiles for arch {arch}")
+        out["BC"] = t.fwd90_bc
+    elif pass_.startswith("fwd"):
         out["BC"] = t.fwd_bc
         if half:
             out.update(FWD_WARPS=t.fwd_warps, FWD_MT=t.fwd_mt)
@@ -229,13 +283,21 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
 
 
 def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -> Iterator[Tuple[str, Dict[str, int]]]:
-    """Every (pass, defines) the library can request on ``arch`` (default sm_90)."""
+    """Every (pass, defines) the library can request on ``arch`` (default sm_90).
+
+    On Hopper that includes both the wgmma passes and the mma.sync passes
+    they replace (``$PYCUDAFLASH_WGMMA=0`` selects the latter).
+    """
+    arch = arch or "sm_90"
     for dtype in dtypes:
         for kind in ("fwd", "bwd"):
-            pass_ = pass_name(kind, dtype)
-            for hd in buckets(dtype):
-                for mk in MASK_MODES:
-                    yield pass_, defines(pass_, hd, mk, dtype, arch)
+            passes = [kind if dtype == "float32" else f"{kind}_f16"]
+            if dtype != "float32" and arch in HOPPER_ARCHES and kind in HOPPER_PASSES:
+                passes.append(HOPPER_PASSES[kind])
+            for pass_ in passes:
+                for hd in buckets(dtype):
+                    for mk in MASK_MODES:
+                        yield pass_, defines(pass_, hd, mk, dtype, arch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -324,7 +386,7 @@ def get_module(pass_: str, defs: Dict[str, int]):
             mod = SourceModule(
                 source(pass_),
                 options=options(defs),
-                arch=arch_of_current_device(),
+                arch=build_arch(pass_, arch_of_current_device()),
                 no_extern_c=True,
                 cache_dir=_explicit_cache_dir(),
             )
@@ -409,6 +471,7 @@ def parse_ptxas(log: str) -> Tuple[Dict[str, int], Dict[str, Tuple[int, int]], D
 def compile_offline(pass_: str, defs: Dict[str, int], arch: str, nvcc: str = "nvcc") -> OfflineResult:
     """Build a variant to a cubin with nvcc alone (same source and options as at run time)."""
     src = source(pass_)
+    arch = build_arch(pass_, arch)
     digest = hashlib.sha1((src + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:12]
     with tempfile.TemporaryDirectory(prefix="pycudaflash-") as tmp:
         cu = Path(tmp) / f"kernel_{digest}.cu"
@@ -439,7 +502,7 @@ def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None) -> List
     def build(item):
         pass_, defs = item
         t0 = time.perf_counter()
-        pycuda_compile(source(pass_), options=options(defs), arch=arch, no_extern_c=True,
+        pycuda_compile(source(pass_), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
                        cache_dir=_explicit_cache_dir())
         return pass_, defs, time.perf_counter() - t0
 

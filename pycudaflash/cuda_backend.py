@@ -299,7 +299,13 @@ class _Variant(NamedTuple):
     arch: str
 
     def smem(self, kernel: str) -> int:
-        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch)
+        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_)
+
+    def forward_block(self) -> Tuple[int, int]:
+        """(query rows, threads) of one forward block."""
+        if self.pass_ == "fwd_sm90":
+            return compiler.FWD90_BR, compiler.FWD90_THREADS
+        return self.tiles.fwd_br, 32 * self.tiles.fwd_warps
 
     def function(self, kernel: str, arg_format: str, with_smem: bool = False):
         return compiler.get_function(self.pass_, self.defs, kernel, arg_format,
@@ -310,7 +316,7 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob``."""
     dt = _kernel_dtype(prob)
     arch = compiler.arch_of_current_device()
-    pass_ = compiler.pass_name(kind, dt)
+    pass_ = compiler.pass_name(kind, dt, arch)
     hd = compiler.head_dim_bucket(prob.D, dt)
     return _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
                     compiler.tiles(hd, dt, arch), hd, dt, arch)
@@ -347,9 +353,10 @@ def run_forward(prob: Problem, stream=None):
     itemsize = np.dtype(prob.dtype).itemsize
     # 16-bit outputs are stored in aligned pairs under the same condition.
     vec = _vec_ok((q, k, v) if itemsize == 4 else (q, k, v, out), D, itemsize)
-    grid = ((Nq + tiles.fwd_br - 1) // tiles.fwd_br, H, B)
+    rows, threads = var.forward_block()
+    grid = ((Nq + rows - 1) // rows, H, B)
     fn.prepared_async_call(
-        grid, (32 * tiles.fwd_warps, 1, 1), stream,
+        grid, (threads, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
         Nq, Nk, D,
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),

@@ -1,0 +1,285 @@
+// flash_fwd_sm90.cu -- FlashAttention forward pass for Hopper (sm_90a),
+// float16 / bfloat16 on the warpgroup tensor-core instructions
+// (wgmma.mma_async, float32 accumulators).
+//
+// Algorithm: FlashAttention-2 forward (Dao 2023, Algorithm 1), with the
+// products issued as Hopper warpgroup MMAs as in FlashAttention-3 (Shah et
+// al. 2024, section 3): Sij = Qi Kj^T reads both operands from shared memory
+// through matrix descriptors, Oi += Pij Vj takes Pij from registers.  The
+// online softmax (mi, li, rescaling of Oi) is that of flash_fwd_f16.cu: scores
+// in log2 units (scale * log2(e) folded in), exp2, float32 statistics, Pij
+// rounded to the input type for Pij Vj, Oi /= li and Li = mi + log(li) at the
+// end.  (No warp specialisation or TMA: every thread loads with cp.async.)
+//
+// Assumptions: as flash_fwd_f16.cu -- q (B,H,Nq,D), k/v (B,H,Nk,D), o like q
+// in elem_t, lse (B,H,Nq) float32, last dimension contiguous; D <= HEAD_DIM
+// (columns D..HEAD_DIM-1 zero-filled in shared memory); any Nq, Nk >= 1.
+//
+// Tile layout: FWD_WGS = 2 warpgroups of 128 threads; warpgroup w owns rows
+// 64w..64w+63 of Qi, so Br = 128; Bc = BC keys per step.  Per thread: Sij as
+// BC/2 floats, Oi as HEAD_DIM/2 floats (layout in flash_wgmma.cuh); a row's
+// statistics reduce over the 4 lanes of a quad.
+// Shared memory (1024-byte aligned): Qi [HD_ATOMS][Br][64], Kj and Vj
+// [2 stages][HD_ATOMS][Bc][64] -- every tile is split into 64-column blocks
+// whose 128-byte rows hold their 16-byte chunks XOR-swizzled by row % 8, the
+// canonical 128-byte-swizzle layout of wgmma.  Qi and Kj are K-major operands
+// (head dim contiguous); Vj is the MN-major (transposed) B operand of Pij Vj.
+// The K/V tiles of step j+1 load (cp.async) while step j computes.
+//
+// Masks: as flash_fwd.cu -- key tiles outside the causal/window/key-length
+// band are skipped, boundary tiles are masked element-wise, MASK_MODE adds a
+// dense bool or float mask.  A row that sees no key ends with li = 0:
+// Oi = 0, Li = -inf.
+
+#ifndef BC
+#if HEAD_DIM <= 128
+#define BC 128
+#else
+#define BC 64
+#endif
+#endif
+#define FWD_WGS 2
+#define WG_THREADS 128
+#define FWD_THREADS (FWD_WGS * WG_THREADS)
+#define BR (64 * FWD_WGS)
+#define SWZ_COLS 64                             // columns of one swizzle block (128 bytes)
+#define HD_ATOMS ((HEAD_DIM + SWZ_COLS - 1) / SWZ_COLS)
+#define HDP (HD_ATOMS * SWZ_COLS)               // head dim as stored (whole swizzle blocks)
+#define K_STEPS (HEAD_DIM / 16)                 // k steps of Sij = Qi Kj^T
+#define S_REGS (BC / 2)                         // Sij floats per thread
+#define O_REGS (HEAD_DIM / 2)                   // Oi floats per thread
+#define SWZ_ROW_BYTES 128
+#define SMEM_ALIGN 1024                         // swizzle pattern period (8 rows of 128 bytes)
+
+#define PASTE_(a, b) a##b
+#define PASTE(a, b) PASTE_(a, b)
+#define WGMMA_S PASTE(wgmma_ss_n, BC)            // Sij = Qi Kj^T
+#define WGMMA_O PASTE(wgmma_rs_tb_n, HEAD_DIM)   // Oi += Pij Vj
+
+static_assert(BC % 16 == 0 && BC >= 64 && BC <= 128, "key tile: whole k steps of Pij Vj, a wgmma N");
+static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
+static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
+
+// Offset (elements) of element (r, c) in a swizzled [HD_ATOMS][ROWS][64] tile.
+template <int ROWS>
+__device__ __forceinline__ int swz(int r, int c) {
+    return (c / SWZ_COLS) * ROWS * SWZ_COLS + r * SWZ_COLS + ((((c % SWZ_COLS) >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
+// global matrix into a swizzled tile; rows past nrows and columns past ncols
+// are zero-filled.  vec: 16-byte cp.async (as load_tile_h).
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_tile_swz(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
+                                              int ncols, bool vec, int tid) {
+    if (vec) {
+        constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;
+        constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+            const int c = tid + it * NTHREADS;
+            if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
+                const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
+                const bool ok = (row0 + r < nrows) && (col < ncols);
+                const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
+                cp_async16((float *)(smem + swz<ROWS>(r, col)), (const float *)src, ok);
+            }
+        }
+    } else {
+        const elem_t zero = from_float(0.f);
+        for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
+            const int r = c / HEAD_DIM, col = c % HEAD_DIM;
+            const bool ok = (row0 + r < nrows) && (col < ncols);
+            smem[swz<ROWS>(r, col)] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
+        }
+    }
+}
+
+// Make this thread's shared-memory writes (cp.async, st.shared) visible to
+// the tensor core's asynchronous proxy; a barrier then publishes them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
+flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                 elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
+                 const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
+                 i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                 i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
+                 int band_lo, int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // Swizzle blocks must start on the pattern period: round the base up.
+    unsigned char *smem = smem_raw + ((SMEM_ALIGN - (smem_addr(smem_raw) & (SMEM_ALIGN - 1))) & (SMEM_ALIGN - 1));
+    elem_t *Qi = reinterpret_cast<elem_t *>(smem);  // [HD_ATOMS][BR][64]
+    elem_t *Ks = Qi + BR * HDP;                      // [2][HD_ATOMS][BC][64]
+    elem_t *Vs = Ks + 2 * BC * HDP;                  // [2][HD_ATOMS][BC][64]
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
+    const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z;
+    // Launch the last query tiles first: under a causal mask they are the longest.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+
+    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
+    const elem_t *Kg = K + (i64)b * k_sb + (i64)h * k_sh;
+    const elem_t *Vg = V + (i64)b * v_sb + (i64)h * v_sh;
+
+    // Keys any row of this tile may see: [j_begin, j_end).
+    const int q_last = min(q0 + BR, Nq) - 1;
+    const int j_begin = max(0, q0 + band_lo);
+    const int j_end = min(mp.kl, q_last + band_hi + 1);
+    const int tc_begin = j_begin / BC;
+    const int tc_end = (j_end > j_begin) ? (j_end + BC - 1) / BC : tc_begin;
+
+    const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
+    float o_acc[O_REGS];
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
+    float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};  // running row max (log2 units), row sum
+
+    // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
+    const u32 q_addr = smem_addr(Qi) + 64 * wg * SWZ_ROW_BYTES;
+    const u32 k_addr0 = smem_addr(Ks), v_addr0 = smem_addr(Vs);
+    constexpr u32 KV_STAGE_BYTES = BC * HDP * 2;
+
+    if (tc_begin < tc_end) {
+        // Prologue: Qi with K(tc_begin) as one group, V(tc_begin) as the next.
+        load_tile_swz<BR, FWD_THREADS>(Qi, Qg, q_sn, q0, Nq, D, vec, tid);
+        load_tile_swz<BC, FWD_THREADS>(Ks, Kg, k_sn, tc_begin * BC, Nk, D, vec, tid);
+        cp_async_commit();
+        load_tile_swz<BC, FWD_THREADS>(Vs, Vg, v_sn, tc_begin * BC, Nk, D, vec, tid);
+        cp_async_commit();
+    }
+
+    for (int tc = tc_begin; tc < tc_end; ++tc) {
+        const int k0 = tc * BC;
+        const int stage = (tc - tc_begin) & 1;
+        cp_async_wait<1>();  // this thread's Qi and Kj have landed (Vj may still be in flight)
+        fence_proxy_async();
+        // Every thread's Kj (and Qi) is visible to the tensor cores; every
+        // warpgroup is also done with the other stage (step tc-1), so the next
+        // tiles may overwrite it.
+        __syncthreads();
+        if (tc + 1 < tc_end) {
+            load_tile_swz<BC, FWD_THREADS>(Ks + (stage ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
+            cp_async_commit();
+            load_tile_swz<BC, FWD_THREADS>(Vs + (stage ^ 1) * BC * HDP, Vg, v_sn, k0 + BC, Nk, D, vec, tid);
+        } else {
+            cp_async_commit();  // (empty groups keep the wait counts uniform)
+        }
+        cp_async_commit();
+
+        // Sij = Qi Kj^T: K_STEPS k steps of 16 over the head dim; zero-filled
+        // columns past D add nothing.
+        float s[S_REGS];
+        const u32 k_addr = k_addr0 + stage * KV_STAGE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < K_STEPS; ++ks) {
+            const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
+            WGMMA_S(s, smem_desc_sw128(q_addr + blk * BR * SWZ_ROW_BYTES + in_blk, 16),
+                    smem_desc_sw128(k_addr + blk * BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(s);
+
+        // Scale to log2 units and apply the masks on boundary tiles.
+        const bool need_mask = tile_needs_mask(mp, q0, BR, k0, BC);
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = q0 + row_w + g + 8 * (e >> 1);
+                const int j = k0 + 8 * n + 2 * t + (e & 1);
+                s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i, j)
+                                         : s[4 * n + e] * scale_log2;
+            }
+
+        // Online softmax: new row max mi, rescale factor, Pij = exp2(Sij - mi).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m_i[r];
+#pragma unroll
+            for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row that has seen only masked keys keeps mi = -inf; use 0 as the
+            // exponent base so that exp2(-inf - base) = 0 and nothing is NaN.
+            const float base = (mx == NEG_INF) ? 0.f : mx;
+            const float alpha = exp2_fast(m_i[r] - base);
+            m_i[r] = mx;
+            float rowsum = 0.f;
+#pragma unroll
+            for (int n = 0; n < BC / 8; ++n) {
+                s[4 * n + 2 * r] = exp2_fast(s[4 * n + 2 * r] - base);
+                s[4 * n + 2 * r + 1] = exp2_fast(s[4 * n + 2 * r + 1] - base);
+                rowsum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+            }
+            l_i[r] = l_i[r] * alpha + rowsum;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                o_acc[4 * n + 2 * r] *= alpha;
+                o_acc[4 * n + 2 * r + 1] *= alpha;
+            }
+        }
+
+        // Pij rounded to elem_t, straight from the C fragments into the A
+        // fragments of the BC/16 k steps of Pij Vj.
+        u32 p[BC / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+            p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+            p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+            p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+
+        cp_async_wait<2>();  // this thread's Vj has landed
+        fence_proxy_async();
+        // Every thread's Vj is visible to the tensor cores.
+        __syncthreads();
+
+        // Oi += Pij Vj: Vj is the MN-major B operand (16 keys x HEAD_DIM per k step).
+        const u32 v_addr = v_addr0 + stage * KV_STAGE_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+            WGMMA_O(o_acc, p[kk], smem_desc_sw128(v_addr + kk * 16 * SWZ_ROW_BYTES, BC * SWZ_ROW_BYTES), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(o_acc);
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+    }
+
+    // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
+    elem_t *Og = O + (i64)b * o_sb + (i64)h * o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_i[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
+        const int i = q0 + row_w + g + 8 * r;
+        if (i < Nq) {
+            elem_t *orow = Og + (i64)i * o_sn;
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n)
+                store_pair(orow, 8 * n + 2 * t, D, o_acc[4 * n + 2 * r] * inv_l, o_acc[4 * n + 2 * r + 1] * inv_l,
+                           vec);
+            if (t == 0)
+                LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] = (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
+        }
+    }
+}
