@@ -38,6 +38,12 @@
 // Tile layout (dq): DQ_WARPS warps of 16 query rows, DQ_BC keys a step; dSij
 // feeds dSij Kj straight from the C fragments.
 
+// BWD_SM90 = 1: the Hopper pass, where flash_bwd_sm90.cu follows this file
+// and provides flash_bwd_dkdv_kernel (the mma.sync one below is left out).
+#ifndef BWD_SM90
+#define BWD_SM90 0
+#endif
+
 #define BWD_WARPS 8
 #define BWD_THREADS (BWD_WARPS * WARP_SIZE)
 #ifndef BWD_BR
@@ -107,7 +113,9 @@ static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0, "tiles are whole 16-wide k s
 #define BWD_KS_UNROLL (MASK_MODE == 0 ? HEAD_DIM / 16 : 2)
 #endif
 #endif
+#if !BWD_SM90
 constexpr int kBwdKsUnroll = BWD_KS_UNROLL;  // (#pragma unroll takes no macros)
+#endif
 constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for the dq kernel
 
 #define DQ_WARPS 4
@@ -161,6 +169,8 @@ __device__ __forceinline__ void dq_add_pair(float *row, int d, int D, float x0, 
 }
 
 // ------------------------------------------------------------------- dK, dV
+// (On Hopper, flash_bwd_sm90.cu provides this kernel instead: BWD_SM90.)
+#if !BWD_SM90
 extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
 flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                       const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
@@ -384,6 +394,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
             }
         }
 }
+
+#endif  // !BWD_SM90
 
 // ------------------------------------------------------- deterministic dQ
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)

@@ -24,7 +24,9 @@
 // whose 128-byte rows hold their 16-byte chunks XOR-swizzled by row % 8, the
 // canonical 128-byte-swizzle layout of wgmma.  Qi and Kj are K-major operands
 // (head dim contiguous); Vj is the MN-major (transposed) B operand of Pij Vj.
-// The K/V tiles of step j+1 load (cp.async) while step j computes.
+// Loads run one step ahead (cp.async): during step j, K(j+1) and Vj.  The
+// softmax of step j overlaps the tensor cores' Oi += P(j-1) V(j-1)
+// (FWD_OVERLAP, FlashAttention-3's intra-warpgroup pipelining).
 //
 // Masks: as flash_fwd.cu -- key tiles outside the causal/window/key-length
 // band are skipped, boundary tiles are masked element-wise, MASK_MODE adds a
@@ -38,66 +40,112 @@
 #define BC 64
 #endif
 #endif
+// Overlap the softmax of Sj with O += P(j-1) V(j-1) (keeps P(j-1) live
+// through the softmax: off where a dense mask's addressing needs the registers).
+#ifndef FWD_OVERLAP
+#if MASK_MODE != 0 && HEAD_DIM >= 128
+#define FWD_OVERLAP 0
+#else
+#define FWD_OVERLAP 1
+#endif
+#endif
 #define FWD_WGS 2
-#define WG_THREADS 128
 #define FWD_THREADS (FWD_WGS * WG_THREADS)
 #define BR (64 * FWD_WGS)
-#define SWZ_COLS 64                             // columns of one swizzle block (128 bytes)
-#define HD_ATOMS ((HEAD_DIM + SWZ_COLS - 1) / SWZ_COLS)
-#define HDP (HD_ATOMS * SWZ_COLS)               // head dim as stored (whole swizzle blocks)
 #define K_STEPS (HEAD_DIM / 16)                 // k steps of Sij = Qi Kj^T
 #define S_REGS (BC / 2)                         // Sij floats per thread
 #define O_REGS (HEAD_DIM / 2)                   // Oi floats per thread
-#define SWZ_ROW_BYTES 128
-#define SMEM_ALIGN 1024                         // swizzle pattern period (8 rows of 128 bytes)
 
-#define PASTE_(a, b) a##b
-#define PASTE(a, b) PASTE_(a, b)
-#define WGMMA_S PASTE(wgmma_ss_n, BC)            // Sij = Qi Kj^T
-#define WGMMA_O PASTE(wgmma_rs_tb_n, HEAD_DIM)   // Oi += Pij Vj
-
-static_assert(BC % 16 == 0 && BC >= 64 && BC <= 128, "key tile: whole k steps of Pij Vj, a wgmma N");
+static_assert(BC % 16 == 0 && BC >= 32 && BC <= 128, "key tile: whole k steps of Pij Vj, a wgmma N");
 static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
 static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
 
-// Offset (elements) of element (r, c) in a swizzled [HD_ATOMS][ROWS][64] tile.
-template <int ROWS>
-__device__ __forceinline__ int swz(int r, int c) {
-    return (c / SWZ_COLS) * ROWS * SWZ_COLS + r * SWZ_COLS + ((((c % SWZ_COLS) >> 3) ^ (r & 7)) << 3) + (c & 7);
-}
-
-// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix into a swizzled tile; rows past nrows and columns past ncols
-// are zero-filled.  vec: 16-byte cp.async (as load_tile_h).
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_tile_swz(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
-                                              int ncols, bool vec, int tid) {
-    if (vec) {
-        constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;
-        constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
+// Sij = Qi Kj^T for one warpgroup: K_STEPS k steps of 16 over the head dim
+// (zero-filled columns past D add nothing).  q_addr/k_addr: shared addresses
+// of this warpgroup's Qi rows and of the Kj stage; both K-major.
+__device__ __forceinline__ void issue_s(float (&s)[S_REGS], u32 q_addr, u32 k_addr) {
 #pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-            const int c = tid + it * NTHREADS;
-            if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
-                const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
-                const bool ok = (row0 + r < nrows) && (col < ncols);
-                const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
-                cp_async16((float *)(smem + swz<ROWS>(r, col)), (const float *)src, ok);
-            }
-        }
-    } else {
-        const elem_t zero = from_float(0.f);
-        for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
-            const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r < nrows) && (col < ncols);
-            smem[swz<ROWS>(r, col)] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
-        }
+    for (int ks = 0; ks < K_STEPS; ++ks) {
+        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
+        wgmma_ss(s, smem_desc_sw128(q_addr + blk * BR * SWZ_ROW_BYTES + in_blk, 16),
+                smem_desc_sw128(k_addr + blk * BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
     }
 }
 
-// Make this thread's shared-memory writes (cp.async, st.shared) visible to
-// the tensor core's asynchronous proxy; a barrier then publishes them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Oi += Pij Vj: Pij from registers, Vj the MN-major B operand (16 keys x
+// HEAD_DIM per k step; 64-column blocks BC rows apart).
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[BC / 16][4], u32 v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+        wgmma_rs_tb(o, p[kk], smem_desc_sw128(v_addr + kk * 16 * SWZ_ROW_BYTES, BC * SWZ_ROW_BYTES), 1);
+}
+
+// Scores to log2 units (masked on boundary tiles), then the online softmax
+// of one tile: new row max mi, alpha = exp2(m_old - mi) for Oi, Pij =
+// exp2(Sij - mi) in place, li = alpha * li + rowsum(Pij) (this thread's
+// columns).  i0: row of s[0]; j0: column of s[0].
+__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
+                                             bool need_mask, float scale_log2, const MaskParams &mp,
+                                             const char *mask_bh, int i0, int j0) {
+#pragma unroll
+    for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i0 + 8 * (e >> 1),
+                                                    j0 + 8 * n + (e & 1))
+                                     : s[4 * n + e] * scale_log2;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps mi = -inf; use 0 as the
+        // exponent base so that exp2(-inf - base) = 0 and nothing is NaN.
+        const float base = (mx == NEG_INF) ? 0.f : mx;
+        alpha[r] = exp2_fast(m_i[r] - base);
+        m_i[r] = mx;
+        float rowsum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BC / 8; ++n) {
+            s[4 * n + 2 * r] = exp2_fast(s[4 * n + 2 * r] - base);
+            s[4 * n + 2 * r + 1] = exp2_fast(s[4 * n + 2 * r + 1] - base);
+            rowsum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
+        }
+        l_i[r] = l_i[r] * alpha[r] + rowsum;
+    }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        o[4 * n + 0] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+    }
+}
+
+// Pij rounded to elem_t, straight from the C fragments into the A fragments
+// of the BC/16 k steps of Pij Vj.
+__device__ __forceinline__ void pack_p(u32 (&p)[BC / 16][4], const float (&s)[S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
+        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// Keep P's registers untouched until the product reading them has finished.
+__device__ __forceinline__ void hold_p(u32 (&p)[BC / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+}
 
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
@@ -107,8 +155,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                  i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
                  int band_lo, int band_hi, int vec) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    // Swizzle blocks must start on the pattern period: round the base up.
-    unsigned char *smem = smem_raw + ((SMEM_ALIGN - (smem_addr(smem_raw) & (SMEM_ALIGN - 1))) & (SMEM_ALIGN - 1));
+    unsigned char *smem = swizzle_base(smem_raw);
     elem_t *Qi = reinterpret_cast<elem_t *>(smem);  // [HD_ATOMS][BR][64]
     elem_t *Ks = Qi + BR * HDP;                      // [2][HD_ATOMS][BC][64]
     elem_t *Vs = Ks + 2 * BC * HDP;                  // [2][HD_ATOMS][BC][64]
@@ -150,117 +197,81 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const u32 k_addr0 = smem_addr(Ks), v_addr0 = smem_addr(Vs);
     constexpr u32 KV_STAGE_BYTES = BC * HDP * 2;
 
-    if (tc_begin < tc_end) {
-        // Prologue: Qi with K(tc_begin) as one group, V(tc_begin) as the next.
+    // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step j
+    // issues Sj = Qi Kj^T and O += P(j-1) V(j-1) together, runs the softmax of
+    // Sj while the second product is still on the tensor cores, then rescales
+    // Oi.  Loads run one step ahead: during step j, K(j+1) and Vj.
+    const int n_tiles = tc_end - tc_begin;
+    float s[S_REGS];
+    u32 p[BC / 16][4];
+    if (n_tiles > 0) {
+        // Prologue: Qi and K0 as one group; V0 and K1 as the next.
         load_tile_swz<BR, FWD_THREADS>(Qi, Qg, q_sn, q0, Nq, D, vec, tid);
         load_tile_swz<BC, FWD_THREADS>(Ks, Kg, k_sn, tc_begin * BC, Nk, D, vec, tid);
         cp_async_commit();
         load_tile_swz<BC, FWD_THREADS>(Vs, Vg, v_sn, tc_begin * BC, Nk, D, vec, tid);
+        if (n_tiles > 1)
+            load_tile_swz<BC, FWD_THREADS>(Ks + BC * HDP, Kg, k_sn, (tc_begin + 1) * BC, Nk, D, vec, tid);
         cp_async_commit();
-    }
-
-    for (int tc = tc_begin; tc < tc_end; ++tc) {
-        const int k0 = tc * BC;
-        const int stage = (tc - tc_begin) & 1;
-        cp_async_wait<1>();  // this thread's Qi and Kj have landed (Vj may still be in flight)
+        cp_async_wait<1>();  // this thread's Qi and K0 have landed
         fence_proxy_async();
-        // Every thread's Kj (and Qi) is visible to the tensor cores; every
-        // warpgroup is also done with the other stage (step tc-1), so the next
-        // tiles may overwrite it.
+        // Every thread's Qi and K0 are visible to the tensor cores.
         __syncthreads();
-        if (tc + 1 < tc_end) {
-            load_tile_swz<BC, FWD_THREADS>(Ks + (stage ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
-            cp_async_commit();
-            load_tile_swz<BC, FWD_THREADS>(Vs + (stage ^ 1) * BC * HDP, Vg, v_sn, k0 + BC, Nk, D, vec, tid);
-        } else {
-            cp_async_commit();  // (empty groups keep the wait counts uniform)
-        }
-        cp_async_commit();
-
-        // Sij = Qi Kj^T: K_STEPS k steps of 16 over the head dim; zero-filled
-        // columns past D add nothing.
-        float s[S_REGS];
-        const u32 k_addr = k_addr0 + stage * KV_STAGE_BYTES;
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < K_STEPS; ++ks) {
-            const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
-            WGMMA_S(s, smem_desc_sw128(q_addr + blk * BR * SWZ_ROW_BYTES + in_blk, 16),
-                    smem_desc_sw128(k_addr + blk * BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
-        }
+        issue_s(s, q_addr, k_addr0);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(s);
-
-        // Scale to log2 units and apply the masks on boundary tiles.
-        const bool need_mask = tile_needs_mask(mp, q0, BR, k0, BC);
-#pragma unroll
-        for (int n = 0; n < BC / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = q0 + row_w + g + 8 * (e >> 1);
-                const int j = k0 + 8 * n + 2 * t + (e & 1);
-                s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i, j)
-                                         : s[4 * n + e] * scale_log2;
-            }
-
-        // Online softmax: new row max mi, rescale factor, Pij = exp2(Sij - mi).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m_i[r];
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            // A row that has seen only masked keys keeps mi = -inf; use 0 as the
-            // exponent base so that exp2(-inf - base) = 0 and nothing is NaN.
-            const float base = (mx == NEG_INF) ? 0.f : mx;
-            const float alpha = exp2_fast(m_i[r] - base);
-            m_i[r] = mx;
-            float rowsum = 0.f;
-#pragma unroll
-            for (int n = 0; n < BC / 8; ++n) {
-                s[4 * n + 2 * r] = exp2_fast(s[4 * n + 2 * r] - base);
-                s[4 * n + 2 * r + 1] = exp2_fast(s[4 * n + 2 * r + 1] - base);
-                rowsum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
-            }
-            l_i[r] = l_i[r] * alpha + rowsum;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                o_acc[4 * n + 2 * r] *= alpha;
-                o_acc[4 * n + 2 * r + 1] *= alpha;
-            }
-        }
-
-        // Pij rounded to elem_t, straight from the C fragments into the A
-        // fragments of the BC/16 k steps of Pij Vj.
-        u32 p[BC / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
-            p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
-            p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
-            p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
-        }
-
-        cp_async_wait<2>();  // this thread's Vj has landed
+        float alpha[2];  // (Oi is still 0: nothing to rescale)
+        softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), scale_log2, mp, mask_bh,
+                     q0 + row_w + g, tc_begin * BC + 2 * t);
+        pack_p(p, s);
+    }
+    for (int j = 1; j < n_tiles; ++j) {
+        const int k0 = (tc_begin + j) * BC;
+        cp_async_wait<0>();  // this thread's Kj and V(j-1) have landed
         fence_proxy_async();
-        // Every thread's Vj is visible to the tensor cores.
+        // Every thread's Kj and V(j-1) are visible to the tensor cores; every
+        // warpgroup is done with S(j-1) (K stage (j+1)%2) and with
+        // P(j-2) V(j-2) (V stage j%2), so the next loads may overwrite them.
         __syncthreads();
+        if (j + 1 < n_tiles)
+            load_tile_swz<BC, FWD_THREADS>(Ks + ((j + 1) & 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
+        load_tile_swz<BC, FWD_THREADS>(Vs + (j & 1) * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
+        cp_async_commit();
 
-        // Oi += Pij Vj: Vj is the MN-major B operand (16 keys x HEAD_DIM per k step).
-        const u32 v_addr = v_addr0 + stage * KV_STAGE_BYTES;
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
-            WGMMA_O(o_acc, p[kk], smem_desc_sw128(v_addr + kk * 16 * SWZ_ROW_BYTES, BC * SWZ_ROW_BYTES), 1);
+        issue_s(s, q_addr, k_addr0 + (j & 1) * KV_STAGE_BYTES);  // Sj = Qi Kj^T
+        wgmma_commit();
+        issue_pv(o_acc, p, v_addr0 + ((j - 1) & 1) * KV_STAGE_BYTES);  // Oi += P(j-1) V(j-1)
+        wgmma_commit();
+#if FWD_OVERLAP
+        wgmma_wait<1>();  // Sj is done; P(j-1) V(j-1) may still run
+#else
+        wgmma_wait<0>();  // both are done (P(j-1)'s registers free for the softmax)
+        hold_p(p);
+#endif
+        wgmma_hold(s);
+        float alpha[2];
+        softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), scale_log2, mp, mask_bh,
+                     q0 + row_w + g, k0 + 2 * t);
+        wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
+        wgmma_hold(o_acc);
+        hold_p(p);
+        rescale(o_acc, alpha);
+        pack_p(p, s);
+    }
+    if (n_tiles > 0) {
+        cp_async_wait<0>();  // this thread's last V has landed
+        fence_proxy_async();
+        // Every thread's last V is visible to the tensor cores.
+        __syncthreads();
+        wgmma_fence();
+        issue_pv(o_acc, p, v_addr0 + ((n_tiles - 1) & 1) * KV_STAGE_BYTES);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(o_acc);
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+        hold_p(p);
     }
 
     // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).

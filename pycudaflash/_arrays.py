@@ -19,7 +19,10 @@ order, by
 
 1. the object's ``__dlpack__`` capsule (torch and cupy have one), whose
    ``DLDataType`` names the type (:func:`dlpack_dtype`);
-2. an explicit dtype given by the caller (the ``dtype=`` keyword of the
+2. the object's own numpy ``dtype`` attribute, where it names a type of that
+   item size (a PyCUDA ``GPUArray`` of ``ml_dtypes.bfloat16``, such as the
+   outputs this library returns);
+3. an explicit dtype given by the caller (the ``dtype=`` keyword of the
    public API), which must have the same item size.
 
 Without either, the operand is rejected with a ``TypeError`` that says how
@@ -325,8 +328,10 @@ def _identify_opaque(
 ) -> np.dtype:
     """The element type of a device array whose array interface says only ``'<Vn'``.
 
-    ``__dlpack__`` decides when the object has one; otherwise the caller's
-    explicit ``opaque_dtype`` (of the same item size); otherwise TypeError.
+    ``__dlpack__`` decides when the object has one; otherwise the object's
+    numpy ``dtype`` (of the same item size, not itself opaque); otherwise the
+    caller's explicit ``opaque_dtype`` (of the same item size); otherwise
+    TypeError.
     ``typestr`` is the interface's own spelling, for messages.
     """
     if _has_dlpack(obj):
@@ -338,6 +343,9 @@ def _identify_opaque(
                 f"({dtype.itemsize} bytes)"
             )
         return dtype
+    own = getattr(obj, "dtype", None)
+    if isinstance(own, np.dtype) and not _is_opaque(own) and own.itemsize == void.itemsize:
+        return own
     if opaque_dtype is not None:
         if opaque_dtype.itemsize != void.itemsize:
             raise TypeError(

@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 COMMON = "flash_common.cuh"
 COMMON_F16 = "flash_common_f16.cuh"
 WGMMA = "flash_wgmma.cuh"
+COMMON_SM90 = "flash_common_sm90.cuh"
 #: Source files of each pass, pasted in this order.  The ``*_f16`` passes
 #: serve float16 and bfloat16 (``ELEM_BF16`` picks the type).
 PASSES: Dict[str, Tuple[str, ...]] = {
@@ -39,16 +40,32 @@ PASSES: Dict[str, Tuple[str, ...]] = {
     "bwd": (COMMON, "flash_bwd.cu"),
     "fwd_f16": (COMMON, COMMON_F16, "flash_fwd_f16.cu"),
     "bwd_f16": (COMMON, COMMON_F16, "flash_bwd_f16.cu"),
-    "fwd_sm90": (COMMON, COMMON_F16, WGMMA, "flash_fwd_sm90.cu"),
+    "fwd_sm90": (COMMON, COMMON_F16, WGMMA, COMMON_SM90, "flash_fwd_sm90.cu"),
+    # flash_bwd_f16.cu brings the preprocess, dq and convert kernels; with
+    # BWD_SM90 its dK/dV kernel gives way to the one in flash_bwd_sm90.cu.
+    "bwd_sm90": (COMMON, COMMON_F16, "flash_bwd_f16.cu", WGMMA, COMMON_SM90, "flash_bwd_sm90.cu"),
 }
 #: Passes built for an architecture-specific target (wgmma needs sm_90a).
-PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a"}
+PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
 #: Architectures whose 16-bit passes are the Hopper (wgmma) kernels, and the
 #: environment variable that turns them off (``0``: use the mma.sync kernels).
 HOPPER_ARCHES = ("sm_90",)
 HOPPER_ENV = "PYCUDAFLASH_WGMMA"
 #: Passes that have a Hopper version.
-HOPPER_PASSES = {"fwd": "fwd_sm90"}
+HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
+BWD90_BC = 128  # keys per block of the Hopper backward (2 warpgroups x 64)
+
+
+def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
+    """Whether the Hopper version of pass ``kind`` covers a head-dim bucket and mask kind.
+
+    The backward keeps dK and dV of 64 keys in one warpgroup's registers,
+    which bounds the head dim at 128; with a float mask at 128 its
+    addressing would spill, so that case stays on the mma.sync kernel.
+    """
+    if kind == "fwd":
+        return True
+    return head_dim <= 96 or (head_dim <= 128 and mask_kind != "float")
 #: Input dtypes the kernels implement.
 DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims are padded up to one of these (kernels specialise on the bucket).
@@ -68,17 +85,20 @@ FLOAT_BYTES = 4
 HALF_BYTES = 2
 
 
-def pass_name(kind: str, dtype: str, arch: Optional[str] = None) -> str:
+def pass_name(kind: str, dtype: str, arch: Optional[str] = None, head_dim: Optional[int] = None,
+              mask_kind: str = "none") -> str:
     """Pass for ``kind`` ('fwd' or 'bwd'), an input dtype name and an architecture.
 
     On Hopper (``arch`` in :data:`HOPPER_ARCHES`) the 16-bit passes with a
-    wgmma version use it unless ``$PYCUDAFLASH_WGMMA`` is ``0``.
+    wgmma version use it where it covers the head-dim bucket and mask kind
+    (:func:`hopper_serves`), unless ``$PYCUDAFLASH_WGMMA`` is ``0``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"no kernels for dtype {dtype!r}")
     if dtype == "float32":
         return kind
-    if arch in HOPPER_ARCHES and kind in HOPPER_PASSES and use_hopper_kernels():
+    if (arch in HOPPER_ARCHES and kind in HOPPER_PASSES and use_hopper_kernels()
+            and (head_dim is None or hopper_serves(kind, head_dim, mask_kind))):
         return HOPPER_PASSES[kind]
     return f"{kind}_f16"
 
@@ -140,6 +160,7 @@ class Tiles:
     fwd_warps: int = FWD_WARPS
     fwd_mt: int = 1
     fwd90_bc: int = 0  # keys per step of the Hopper forward (0: not used here)
+    bwd90_br: int = 0  # query rows per step of the Hopper backward
 
 
 def _lean(arch: Optional[str]) -> bool:
@@ -188,15 +209,17 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             dq_br=16 * DQ_WARPS,
             dq_bc=32 if big else 64,
             fwd90_bc=128 if head_dim <= 128 else 64,
+            bwd90_br=64,
         )
     else:
         small = head_dim <= 64
         sizes = dict(
             fwd_bc=32 if big else 64,
-            bwd_br=32 if (big or small) else 64,
+            # (before sm_90, 64 query rows at head dim 128 would not fit 163 KB)
+            bwd_br=32 if (big or small or lean) else 64,
             bwd_bc=32 if big else 64,
             dq_br=16 * DQ_WARPS,
-            dq_bc=32 if big else 64,
+            dq_bc=(16 if lean else 32) if big else 64,
         )
     sizes.update(_parse_tile_spec(spec).get(("h" if half else "") + str(head_dim), {}))
     if not half and (sizes.get("fwd_warps", FWD_WARPS) != FWD_WARPS or sizes.get("fwd_mt", 1) != 1):
@@ -225,14 +248,24 @@ SMEM_ALIGN = 1024  # alignment slack of the swizzled tiles
 
 
 def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None,
-               pass_: Optional[str] = None) -> int:
-    """Dynamic shared memory of a kernel, mirroring the layout in its .cu file."""
+               pass_: Optional[str] = None, defs: Optional[Dict[str, int]] = None) -> int:
+    """Dynamic shared memory of a kernel, mirroring the layout in its .cu file.
+
+    ``defs`` (the variant's defines) matter where a tile depends on more than
+    the head dim (the Hopper forward's key tile also on the mask kind).
+    """
     t = tiles(head_dim, dtype, arch)
     if pass_ == "fwd_sm90":
         if kernel != "flash_fwd_kernel":
             return 0
+        bc = defs["BC"] if defs else t.fwd90_bc
         hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
-        return (FWD90_BR + 4 * t.fwd90_bc) * hdp * HALF_BYTES + SMEM_ALIGN
+        return (FWD90_BR + 4 * bc) * hdp * HALF_BYTES + SMEM_ALIGN
+    if pass_ == "bwd_sm90" and kernel == "flash_bwd_dkdv_kernel":
+        br, bc = t.bwd90_br, BWD90_BC
+        hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
+        # Kj, Vj; Qi, dOi x 2 stages; dSij^T; Li, Di x 2 stages.
+        return ((2 * bc + 4 * br) * hdp + bc * br) * HALF_BYTES + 4 * br * FLOAT_BYTES + SMEM_ALIGN
     if dtype != "float32":
         ld = head_dim + SMEM_PAD_H
         if kernel == "flash_fwd_kernel":
@@ -272,7 +305,12 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     if pass_ == "fwd_sm90":
         if not t.fwd90_bc:
             raise ValueError(f"pass {pass_!r} has no tiles for arch {arch}")
-        out["BC"] = t.fwd90_bc
+        # A dense mask's addressing needs registers: D 256 then takes 32 keys a step.
+        out["BC"] = min(t.fwd90_bc, 32) if (mask_kind != "none" and head_dim > 192) else t.fwd90_bc
+    elif pass_ == "bwd_sm90":
+        if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind):
+            raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}")
+        out.update(BWD_SM90=1, B90_BR=t.bwd90_br, DQ_BC=t.dq_bc)
     elif pass_.startswith("fwd"):
         out["BC"] = t.fwd_bc
         if half:
@@ -297,6 +335,8 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -
             for pass_ in passes:
                 for hd in buckets(dtype):
                     for mk in MASK_MODES:
+                        if pass_ in PASS_ARCH and not hopper_serves(kind, hd, mk):
+                            continue
                         yield pass_, defines(pass_, hd, mk, dtype, arch)
 
 

@@ -299,7 +299,11 @@ class _Variant(NamedTuple):
     arch: str
 
     def smem(self, kernel: str) -> int:
-        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_)
+        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_, self.defs)
+
+    def backward_keys(self) -> int:
+        """Keys per block of the dK/dV kernel."""
+        return compiler.BWD90_BC if self.pass_ == "bwd_sm90" else self.tiles.bwd_bc
 
     def forward_block(self) -> Tuple[int, int]:
         """(query rows, threads) of one forward block."""
@@ -316,8 +320,8 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob``."""
     dt = _kernel_dtype(prob)
     arch = compiler.arch_of_current_device()
-    pass_ = compiler.pass_name(kind, dt, arch)
     hd = compiler.head_dim_bucket(prob.D, dt)
+    pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind)
     return _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
                     compiler.tiles(hd, dt, arch), hd, dt, arch)
 
@@ -444,7 +448,7 @@ def run_backward(prob: Problem, stream=None):
 
     # 2. dK, dV (and dQ by atomics): one block per key tile.
     f_kv.prepared_async_call(
-        ((Nk + tiles.bwd_bc - 1) // tiles.bwd_bc, H, B), (32 * compiler.BWD_WARPS, 1, 1), stream,
+        ((Nk + var.backward_keys() - 1) // var.backward_keys(), H, B), (32 * compiler.BWD_WARPS, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dqacc_ptr, dk.ptr, dv.ptr, mask.ptr, kl_ptr,
         Nq, Nk, D,
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),

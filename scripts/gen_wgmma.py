@@ -24,10 +24,12 @@ HEADER = Path(__file__).resolve().parent.parent / "cuda_src" / "flash_wgmma.cuh"
 # (A source, transpose A, transpose B, N): 'ss' reads A and B through shared
 # memory descriptors, 'rs' takes A from registers.  A transposed operand is
 # MN-major in shared memory (the contiguous dimension is M or N, not K).
+# The wrappers are overloads of one name per (source, transposes): the size of
+# the accumulator array picks N.
 SHAPES = (
-    [("ss", 0, 0, n) for n in (64, 96, 128)]          # Sij = Qi Kj^T, S^T = Kj Qi^T
+    [("ss", 0, 0, n) for n in (32, 64, 96, 128)]      # Sij = Qi Kj^T, S^T = Kj Qi^T
     + [("rs", 0, 1, n) for n in (64, 96, 128, 192, 256)]  # Oi += Pij Vj, dV += P^T dO, dK += dS^T Q
-    + [("ss", 1, 1, n) for n in (32, 48, 64, 96, 128)]     # dQ += dS Kj (dS^T and Kj MN-major)
+    + [("ss", 1, 1, n) for n in (32, 64)]                  # dQ += dS Kj (dS^T and Kj MN-major)
 )
 
 PREAMBLE = """\
@@ -42,6 +44,9 @@ PREAMBLE = """\
 // m16n8k16 A layout per warp (rows 16*warp..), so the C fragments of a
 // previous product, packed in pairs, feed the next one directly.
 //
+// Names: wgmma_ss (A, B from shared memory, both K-major), wgmma_rs_tb (A
+// from registers, B MN-major), wgmma_ss_ta_tb (both MN-major); N follows
+// from the size of the accumulator array (overloads).
 // `accumulate` = 0 overwrites D (the first k step of a product), 1 adds to it.
 // The instructions are asynchronous: wgmma_fence() before the first one that
 // reads registers written since the last wait, wgmma_commit() after the batch,
@@ -74,7 +79,7 @@ __device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lbo) {
 
 def wrapper(src: str, ta: int, tb: int, n: int) -> str:
     regs = n // 2
-    name = f"wgmma_{src}{'_ta' if ta else ''}{'_tb' if tb else ''}_n{n}"
+    name = f"wgmma_{src}{'_ta' if ta else ''}{'_tb' if tb else ''}"
     outs = ", ".join(f"%{i}" for i in range(regs))
     if src == "ss":
         a_ops = f"%{regs}"
@@ -92,6 +97,7 @@ def wrapper(src: str, ta: int, tb: int, n: int) -> str:
         a_cons = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
     out_cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     lines = [
+        f"// m64n{n}k16",
         f"__device__ __forceinline__ void {name}(float (&d)[{regs}], {a_sig}, u64 desc_b, int accumulate) {{",
         "    asm volatile(",
         '        "{\\n.reg .pred p;\\n"',

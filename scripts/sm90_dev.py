@@ -37,6 +37,51 @@ def ref(q, k, v, causal, mask=None, dtype=torch.float64):
     return (p @ v.to(dtype))
 
 
+def grads(q, k, v, do, causal, mask, dtype):
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    o = ref(q, k, v, causal, mask, dtype)
+    return torch.autograd.grad(o, (q, k, v), do.to(dtype))
+
+
+def acc_bwd():
+    torch.manual_seed(1)
+    worst = 0.0
+    for dt in ("float16", "bfloat16"):
+        for D in (64, 96, 128, 40, 256):
+            for (B, H, Nq, Nk, causal, masked) in ((2, 3, 128, 128, False, False), (1, 2, 113, 257, True, False),
+                                                   (1, 2, 300, 97, False, True), (2, 1, 1, 17, False, False),
+                                                   (1, 1, 513, 700, True, False)):
+                q, k, v = (torch.randn(B, H, n, D, device="cuda", dtype=TORCH[dt]) for n in (Nq, Nk, Nk))
+                do = torch.randn(B, H, Nq, D, device="cuda", dtype=TORCH[dt])
+                mask = (torch.rand(Nq, Nk, device="cuda") > 0.3) if masked else None
+                try:
+                    out, lse = flash_attn_forward(q, k, v, causal=causal, mask=mask)
+                    res = {}
+                    for det in (False, True):
+                        dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+                        flash_attn_backward(do, q, k, v, out, lse, causal=causal, mask=mask, dq=dq, dk=dk, dv=dv,
+                                            deterministic=det)
+                        res[det] = (dq, dk, dv)
+                    torch.cuda.synchronize()
+                except Exception as exc:
+                    print(f"{dt} D{D} {Nq}x{Nk}: FAILED {str(exc)[-500:]}", flush=True)
+                    continue
+                g64 = grads(q, k, v, do, causal, mask, torch.float64)
+                glow = grads(q, k, v, do, causal, mask, TORCH[dt])
+                line = []
+                bad = False
+                for det in (False, True):
+                    for name, x, r, rl in zip("qkv", res[det], g64, glow):
+                        e, eb = rel(x, r), rel(rl, r)
+                        ok = bool(torch.isfinite(x).all()) and e <= 2 * eb + 2e-3
+                        bad |= not ok
+                        worst = max(worst, e / eb)
+                        line.append(f"d{name}{'D' if det else ''} {e:.1e}/{eb:.1e}{'' if ok else '!'}")
+                print(f"bwd {dt:8s} D{D:3d} {Nq:4d}x{Nk:4d} c{int(causal)} m{int(masked)} " + " ".join(line)
+                      + ("   <-- BAD" if bad else ""), flush=True)
+    print(f"bwd worst ratio to torch-same-dtype error: {worst:.2f}", flush=True)
+
+
 def acc():
     torch.manual_seed(0)
     worst = 0.0
@@ -71,18 +116,21 @@ def acc():
     print(f"worst ratio to torch-same-dtype error: {worst:.2f}", flush=True)
 
 
-def timed(fn, reps=20):
+def timed(fn, reps=10, rounds=3):
+    """ms per call: the median over `rounds` of `reps` back-to-back calls
+    between two events (the queue stays full, so host overhead hides)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     ts = []
-    for _ in range(reps):
+    for _ in range(rounds):
         s, e = torch.cuda.Event(True), torch.cuda.Event(True)
         s.record()
-        fn()
+        for _ in range(reps):
+            fn()
         e.record()
         e.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / reps)
     return float(np.median(ts))
 
 
@@ -90,38 +138,73 @@ def speed():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dt = torch.float16
-    for D in (64, 128, 256):
-        for N, causal in ((1024, False), (4096, False), (16384, True)):
-            B, H = 16384 // N, 2048 // D
-            sets = [[torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(3)] for _ in range(4)]
-            it = iter(range(10 ** 9))
-            fl = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+    dims = [int(x) for x in os.environ.get("SM90_DEV_DIMS", "64 128 256").split()]
+    shapes = [(4096, False), (16384, True)] if os.environ.get("SM90_DEV_SHORT") else \
+        [(1024, False), (4096, False), (16384, True)]
+    for spec in os.environ.get("SM90_DEV_SPECS", "").split("|"):
+      os.environ["PYCUDAFLASH_TILES"] = spec
+      print(f"tiles: {spec or 'default'}", flush=True)
+      for D in dims:
+        for N, causal in shapes:
+              B, H = 16384 // N, 2048 // D
+              sets = [[torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(3)] for _ in range(4)]
+              it = iter(range(10 ** 9))
+              fl = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
-            def ours():
-                q, k, v = sets[next(it) % 4]
-                flash_attn_forward(q, k, v, causal=causal)
+              def ours():
+                  q, k, v = sets[next(it) % 4]
+                  flash_attn_forward(q, k, v, causal=causal)
 
-            def peer():
-                q, k, v = sets[next(it) % 4]
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+              def peer():
+                  q, k, v = sets[next(it) % 4]
+                  torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            res = {}
-            for name, env in (("wgmma", "1"), ("mma.sync", "0")):
-                os.environ["PYCUDAFLASH_WGMMA"] = env
-                res[name] = timed(ours)
-            os.environ["PYCUDAFLASH_WGMMA"] = "1"
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                res["flash"] = timed(peer)
-            print(f"fwd D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
-                f"{k} {fl / t / 1e9:5.0f}" for k, t in res.items()) +
-                f"   ratio wgmma/flash {res['flash'] / res['wgmma']:.2f}", flush=True)
+              res = {}
+              for name, env in (("wgmma", "1"), ("mma.sync", "0")):
+                  os.environ["PYCUDAFLASH_WGMMA"] = env
+                  res[name] = timed(ours)
+              os.environ["PYCUDAFLASH_WGMMA"] = "1"
+              with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                  res["flash"] = timed(peer)
+              print(f"fwd D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
+                  f"{k} {fl / t / 1e9:5.0f}" for k, t in res.items()) +
+                  f"   ratio wgmma/flash {res['flash'] / res['wgmma']:.2f}", flush=True)
+
+              # Backward: per set, our forward's out/lse and a torch graph.
+              do = [torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(4)]
+              fw = [flash_attn_forward(*st, causal=causal) for st in sets]
+              tg = []
+              for st in sets:
+                  tq, tk, tv = (x.detach().requires_grad_() for x in st)
+                  with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                      tg.append(((tq, tk, tv), torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
+                                                                                                is_causal=causal)))
+
+              def ours_b():
+                  i = next(it) % 4
+                  flash_attn_backward(do[i], *sets[i], *fw[i], causal=causal)
+
+              def peer_b():
+                  i = next(it) % 4
+                  torch.autograd.grad(tg[i][1], tg[i][0], do[i], retain_graph=True)
+
+              rb = {}
+              for name, env in (("wgmma", "1"), ("mma.sync", "0")):
+                  os.environ["PYCUDAFLASH_WGMMA"] = env
+                  rb[name] = timed(ours_b)
+              os.environ["PYCUDAFLASH_WGMMA"] = "1"
+              rb["flash"] = timed(peer_b)
+              print(f"bwd D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
+                  f"{k} {2.5 * fl / t / 1e9:5.0f}" for k, t in rb.items()) +
+                  f"   ratio wgmma/flash {rb['flash'] / rb['wgmma']:.2f}", flush=True)
 
 
 def warm():
     from pycudaflash import compiler
 
     todo = [(p, d) for p, d in compiler.all_variants(("float16", "bfloat16"), "sm_90")
-            if p == "fwd_sm90" or (p == "fwd_f16" and d["MASK_MODE"] == 0 and d["ELEM_BF16"] == 0)]
+            if p.endswith("_sm90") or (d["MASK_MODE"] == 0 and d["ELEM_BF16"] == 0)
+            or (p == "bwd_f16" and d["HEAD_DIM"] > 96)]
     t = time.perf_counter()
     compiler.warm_cache(jobs=16, variants=todo)
     print(f"warm: {len(todo)} variants in {time.perf_counter() - t:.0f} s", flush=True)
@@ -130,4 +213,4 @@ def warm():
 if __name__ == "__main__":
     warm()
     for what in sys.argv[1:] or ["acc", "speed"]:
-        {"acc": acc, "speed": speed}[what]()
+        {"acc": acc, "bwd": acc_bwd, "speed": speed}[what]()

@@ -13,6 +13,7 @@ Set ``PYCUDAFLASH_HYPOTHESIS_PROFILE`` to pick one explicitly.
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
@@ -72,14 +73,39 @@ def _require_cuda() -> None:
         _CUDA_ACTIVE = True
 
 
-@pytest.fixture(scope="session", params=["numpy", "cuda"])
+@pytest.fixture(scope="session", params=["numpy", "cuda", "cuda-mma"])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every backend: ``'numpy'`` always, ``'cuda'`` skipped with the reason
     when PyCUDA or a device is missing.  Session-scoped so that Hypothesis
-    tests may use it."""
+    tests may use it.
+
+    ``cuda-mma`` is the CUDA backend once more on a Hopper GPU, with the
+    Hopper (wgmma) kernels switched off (``$PYCUDAFLASH_WGMMA=0``), so that
+    the mma.sync kernels, which other GPUs run, are tested there too; the
+    tests receive ``'cuda'``.  Elsewhere it skips: there 'cuda' already runs
+    the mma.sync kernels.
+    """
+    if request.param == "numpy":
+        yield "numpy"
+        return
+    _require_cuda()
     if request.param == "cuda":
-        _require_cuda()
-    yield request.param
+        yield "cuda"
+        return
+    from pycudaflash import compiler
+
+    arch = compiler.arch_of_current_device()
+    if arch not in compiler.HOPPER_ARCHES:
+        pytest.skip(f"{arch} has no Hopper kernels: the 'cuda' runs test the mma.sync kernels")
+    saved = os.environ.get(compiler.HOPPER_ENV)
+    os.environ[compiler.HOPPER_ENV] = "0"
+    try:
+        yield "cuda"
+    finally:
+        if saved is None:
+            del os.environ[compiler.HOPPER_ENV]
+        else:
+            os.environ[compiler.HOPPER_ENV] = saved
 
 
 @pytest.fixture(scope="session")

@@ -31,9 +31,13 @@ def _label(r):
 
 def test_variant_count(builds):
     # Per architecture: 2 passes x 3 mask modes x (4 float32 head-dim buckets
-    # + 2 16-bit dtypes x 5 buckets).
+    # + 2 16-bit dtypes x 5 buckets); on sm_90 also the Hopper passes of the
+    # 16-bit dtypes: the forward for every bucket and mask mode, the backward
+    # for buckets 64 and 96 with every mask mode and 128 without a float mask.
     per_mask = len(compiler.HEAD_DIM_BUCKETS) + 2 * len(compiler.HEAD_DIM_BUCKETS_F16)
-    assert len(builds) == 2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES)
+    hopper = 2 * (len(compiler.HEAD_DIM_BUCKETS_F16) * len(compiler.MASK_MODES) + 3 + 3 + 2)
+    assert len(builds) == 2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES) + hopper
+    assert sum(r.arch == "sm_90a" for r in builds) == hopper
 
 
 def test_all_variants_compile(builds):
@@ -47,7 +51,9 @@ def test_no_local_memory_spills(builds):
         bwd = {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_convert_dq"}
         expected = {"fwd": {"flash_fwd_kernel"}, "bwd": bwd,
                     "fwd_f16": {"flash_fwd_kernel", "flash_convert_mask"},
-                    "bwd_f16": bwd | {"flash_convert_mask"}}[r.pass_]
+                    "bwd_f16": bwd | {"flash_convert_mask"},
+                    "fwd_sm90": {"flash_fwd_kernel", "flash_convert_mask"},
+                    "bwd_sm90": bwd | {"flash_convert_mask"}}[r.pass_]
         assert expected <= set(r.spills), f"{_label(r)}: ptxas report lacks {expected - set(r.spills)}"
         for kernel, (stores, loads) in r.spills.items():
             if stores or loads or r.stack.get(kernel, 0):

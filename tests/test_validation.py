@@ -1447,3 +1447,29 @@ def test_public_api_dtype_errors_before_any_launch(case: int, monkeypatch: pytes
     extra = {"dtype": args["dtype"]} if "dtype" in args else {}
     with pytest.raises(TypeError, match=re.escape(match)):
         pycudaflash.flash_attn_backward(q, q, k, v, bwd["out"], bwd["lse"], **extra)
+
+
+class TypedOpaqueArray(FakeDeviceArray):
+    """A '<V2' fake that, like a PyCUDA GPUArray, carries its numpy ``dtype``."""
+
+    def __init__(self, shape: Sequence[int], dtype: Any) -> None:
+        super().__init__(shape, np.float16, typestr="<V2")
+        self.dtype = np.dtype(dtype)
+
+
+def test_own_numpy_dtype_names_opaque_inputs() -> None:
+    # The bfloat16 GPUArrays this library returns go back into it as they are.
+    q, k = TypedOpaqueArray(Q_SHAPE, BF16), TypedOpaqueArray(K_SHAPE, BF16)
+    prob = validate_forward(q, k, k, out=TypedOpaqueArray(Q_SHAPE, BF16))
+    assert prob.dtype == BF16 and prob.out.dtype == BF16
+    q16 = TypedOpaqueArray(Q_SHAPE, np.float16)
+    assert validate_forward(q16, q16, q16).dtype == np.float16
+    with pytest.raises(TypeError, match="q has dtype bfloat16 but dtype='float16' was given"):
+        validate_forward(q, k, k, dtype="float16")
+
+
+@pytest.mark.parametrize("own", [np.float32, np.dtype("<V2")], ids=["other-size", "opaque"])
+def test_own_dtype_that_cannot_name_opaque_type(own: Any) -> None:
+    q = TypedOpaqueArray(Q_SHAPE, own)
+    with pytest.raises(TypeError, match="the 2-byte type cannot be identified"):
+        validate_forward(q, q, q)

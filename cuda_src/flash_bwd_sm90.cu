@@ -1,0 +1,306 @@
+// flash_bwd_sm90.cu -- dKj, dVj (and dQi through float32 atomics) of the
+// FlashAttention backward for Hopper (sm_90a), float16 / bfloat16 on the
+// warpgroup tensor-core instructions (wgmma.mma_async, float32 accumulators).
+//
+// Algorithm: FlashAttention-2 backward (Dao 2023, Algorithm 2), the products
+// arranged as in FlashAttention-3's backward (Shah et al. 2024, section 3.3
+// and appendix B): each warpgroup computes the transposed tiles
+//   Sij^T  = Kj Qi^T,   dPij^T = Vj dOi^T        (keys as the M dimension)
+//   Pij^T  = exp2(Sij^T * scale * log2(e) + bias - Li)    (0 where masked)
+//   dSij^T = Pij^T o (dPij^T - Di)
+// so that Pij^T and dSij^T sit in registers in the layout of an A operand:
+//   dVj += Pij^T dOi,   dKj += dSij^T Qi          (A from registers)
+// and dQi += dSij Kj reads dSij^T back from shared memory as an MN-major A
+// operand.  Pij, dSij are rounded to the input type before a product; every
+// sum runs in float32; dKj is scaled by `scale` at the end, dQi on its way
+// into the float32 accumulator.  With dQacc = nullptr (deterministic mode)
+// the dQ product is skipped and flash_bwd_dq_kernel computes dQ.
+//
+// This file follows flash_bwd_f16.cu in the same module (which provides
+// flash_bwd_preprocess, flash_bwd_dq_kernel, flash_bwd_convert_dq and
+// dq_add_pair; BWD_SM90 leaves its mma.sync dK/dV kernel out) and
+// flash_common_sm90.cuh (swizzled shared-memory tiles).
+//
+// Assumptions: as flash_bwd_f16.cu; HEAD_DIM <= 128 (dKj and dVj of 64 keys
+// stay in one warpgroup's registers).
+//
+// Tile layout: B90_WGS = 2 warpgroups of 128 threads; warpgroup w owns keys
+// 64w..64w+63 of the key tile, so Bc = 128; Br = B90_BR query rows a step.
+// Per thread: Sij^T and dPij^T as Br/2 floats each, dKj and dVj as
+// HEAD_DIM/2 floats each, its share of dQi as DQ_N0/2 or DQ_N1/2 floats
+// (warpgroup 0 computes dQi columns [0, DQ_N0), warpgroup 1 [DQ_N0, HEAD_DIM)).
+// Shared memory (swizzled, 1024-byte aligned): Kj, Vj [HD_ATOMS][Bc][64];
+// Qi, dOi [2 stages][HD_ATOMS][Br][64]; dSij^T [Br/64][Bc][64]; Li, Di
+// [2 stages][Br] float32.  The next query tile loads while this one is used.
+
+#define B90_WGS 2
+#define B90_THREADS (B90_WGS * WG_THREADS)
+#define B90_BC (64 * B90_WGS)
+#ifndef B90_BR
+#define B90_BR 64
+#endif
+#define SD_STEPS (HEAD_DIM / 16)   // k steps of Sij^T, dPij^T (over the head dim)
+#define ST_REGS (B90_BR / 2)       // Sij^T, dPij^T floats per thread
+#define KV_REGS (HEAD_DIM / 2)     // dKj, dVj floats per thread
+// dQi columns per warpgroup: whole 64-column blocks where possible, else a
+// half block (wgmma may start an MN-major operand inside a block only where
+// its N columns stay in that block).
+#if HEAD_DIM == 64
+#define DQ_N0 32
+#elif HEAD_DIM == 96
+#define DQ_N0 64
+#else
+#define DQ_N0 (HEAD_DIM / 2)
+#endif
+#define DQ_N1 (HEAD_DIM - DQ_N0)
+
+static_assert(HEAD_DIM <= 128 && HEAD_DIM % 32 == 0, "dK/dV of 64 keys in one warpgroup's registers");
+static_assert(B90_BR % 64 == 0 && B90_BR <= 128, "query tile: whole swizzle blocks of dS^T, a wgmma N");
+static_assert(DQ_N0 % 32 == 0 && DQ_N1 % 32 == 0 && (DQ_N0 % SWZ_COLS == 0 || DQ_N0 + DQ_N1 <= SWZ_COLS),
+              "dQ column split: wgmma N of 32 or 64 inside whole swizzle blocks");
+
+// D[64 x N] = A[64 x 16*STEPS] B^T, both K-major in swizzled tiles: a_addr
+// is this warpgroup's first row of A (a tile of A_ROWS rows), b_addr the
+// first row of B (B_ROWS rows = N).
+template <int A_ROWS, int B_ROWS, int R>
+__device__ __forceinline__ void issue_kmajor(float (&d)[R], u32 a_addr, u32 b_addr) {
+#pragma unroll
+    for (int ks = 0; ks < SD_STEPS; ++ks) {
+        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
+        wgmma_ss(d, smem_desc_sw128(a_addr + blk * A_ROWS * SWZ_ROW_BYTES + in_blk, 16),
+                 smem_desc_sw128(b_addr + blk * B_ROWS * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
+    }
+}
+
+// dX += A^T B for A^T in registers (B90_BR/16 k steps over the query rows)
+// and B a [Br][HEAD_DIM] swizzled tile read as the MN-major operand.
+__device__ __forceinline__ void issue_rows(float (&d)[KV_REGS], const u32 (&a)[B90_BR / 16][4], u32 b_addr) {
+#pragma unroll
+    for (int kk = 0; kk < B90_BR / 16; ++kk)
+        wgmma_rs_tb(d, a[kk], smem_desc_sw128(b_addr + kk * 16 * SWZ_ROW_BYTES, B90_BR * SWZ_ROW_BYTES), 1);
+}
+
+template <int R>
+__device__ __forceinline__ void hold_frag(u32 (&a)[R][4]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+// dQi[:, c0:c0+N] += scale * dSij Kj[:, c0:c0+N] for this warpgroup's
+// columns, into the float32 accumulator: A = dSij^T (MN-major, 64 query rows
+// per swizzle block), B = Kj (MN-major), Bc/16 k steps over the keys.
+template <int N>
+__device__ __forceinline__ void dq_columns(float *dQacc, i64 row_base, int i0, int Nq, int D, float scale,
+                                           u32 ds_addr, u32 k_addr, int c0, int mblk, int warp_in_wg, int g,
+                                           int t) {
+    float dq[N / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < B90_BC / 16; ++kk)
+        wgmma_ss_ta_tb(dq, smem_desc_sw128(ds_addr + mblk * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES,
+                                           B90_BC * SWZ_ROW_BYTES),
+                       smem_desc_sw128(k_addr + (c0 / SWZ_COLS) * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES +
+                                           (c0 % SWZ_COLS) * 2,
+                                       B90_BC * SWZ_ROW_BYTES),
+                       kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 64 * mblk + 16 * warp_in_wg + g + 8 * r;
+        if (i < Nq) {
+            float *row = dQacc + (row_base + i) * D;
+#pragma unroll
+            for (int n = 0; n < N / 8; ++n)
+                dq_add_pair(row, c0 + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(B90_THREADS, 1)
+flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
+                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
+                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
+                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
+    elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
+    elem_t *Qs = Vj + B90_BC * HDP;                                     // [2][HD_ATOMS][Br][64]
+    elem_t *dOs = Qs + 2 * B90_BR * HDP;                                // [2][HD_ATOMS][Br][64]
+    elem_t *dSt = dOs + 2 * B90_BR * HDP;                               // [Br/64][Bc][64]: dSij^T
+    float *Ls = reinterpret_cast<float *>(dSt + B90_BC * B90_BR);       // [2][Br], Li * log2(e)
+    float *Ds = Ls + 2 * B90_BR;                                        // [2][Br]
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
+    const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int k0 = blockIdx.x * B90_BC;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+
+    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
+    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
+    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
+
+    // Query rows that see any key of this tile: [i_begin, i_end).
+    const int k_last = min(k0 + B90_BC, mp.kl) - 1;
+    const int i_begin = max(0, k0 - band_hi);
+    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
+    const int tr_begin = i_begin / B90_BR;
+    const int n_q = (i_end > i_begin) ? (i_end + B90_BR - 1) / B90_BR - tr_begin : 0;
+
+    // Shared addresses of the operands.
+    const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
+    const u32 ds_addr = smem_addr(dSt);
+    const u32 kw_addr = k_addr + 64 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 64 * wg * SWZ_ROW_BYTES;
+    constexpr u32 QD_STAGE_BYTES = B90_BR * HDP * 2;
+    const int key_w = 64 * wg + 16 * warp_in_wg + g;  // this thread's first key in the tile (and key_w + 8)
+
+    float dv[KV_REGS], dk[KV_REGS];
+#pragma unroll
+    for (int i = 0; i < KV_REGS; ++i) dv[i] = dk[i] = 0.f;
+
+    // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
+    auto load_q_tile = [&](int it, int st) {
+        const int i0 = (tr_begin + it) * B90_BR;
+        load_tile_swz<B90_BR, B90_THREADS>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile_swz<B90_BR, B90_THREADS>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
+        if (tid < B90_BR) {
+            const bool ok = i0 + tid < Nq;
+            cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
+            cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + row_base + i0 + tid : Dvec, ok);
+        }
+    };
+
+    if (n_q > 0) {
+        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_q_tile(0, 0);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < n_q; ++it) {
+        const int i0 = (tr_begin + it) * B90_BR;
+        const int st = it & 1;
+        cp_async_wait<0>();  // this thread's part of Qi, dOi, Li, Di (and Kj, Vj) has landed
+        fence_proxy_async();
+        // Every thread's loads are visible to all threads and the tensor cores;
+        // every warpgroup is done with the other stage (tile it-1) and dSij^T.
+        __syncthreads();
+        if (it + 1 < n_q) load_q_tile(it + 1, st ^ 1);
+        cp_async_commit();
+
+        const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
+        const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
+
+        // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
+        float sT[ST_REGS], dpT[ST_REGS];
+        wgmma_fence();
+        issue_kmajor<B90_BC, B90_BR>(sT, kw_addr, q_addr);
+        wgmma_commit();
+        issue_kmajor<B90_BC, B90_BR>(dpT, vw_addr, do_addr);
+        wgmma_commit();
+        wgmma_wait<1>();  // Sij^T is done (dPij^T may still run)
+        wgmma_hold(sT);
+
+        // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
+        const bool need_mask = tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64);
+#pragma unroll
+        for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = 8 * n + 2 * t + (e & 1);
+                const float l2 = Li[row];
+                const float x = need_mask ? masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
+                                                         k0 + key_w + 8 * (e >> 1))
+                                          : sT[4 * n + e] * scale_log2;
+                sT[4 * n + e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
+            }
+        wgmma_wait<0>();  // dPij^T is done
+        wgmma_hold(dpT);
+
+        // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
+        // (k step kk = query rows 16kk..16kk+15).
+        u32 pT[B90_BR / 16][4], dsT[B90_BR / 16][4];
+#pragma unroll
+        for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
+#pragma unroll
+        for (int kk = 0; kk < B90_BR / 16; ++kk) {
+            pT[kk][0] = pack2(sT[8 * kk + 0], sT[8 * kk + 1]);
+            pT[kk][1] = pack2(sT[8 * kk + 2], sT[8 * kk + 3]);
+            pT[kk][2] = pack2(sT[8 * kk + 4], sT[8 * kk + 5]);
+            pT[kk][3] = pack2(sT[8 * kk + 6], sT[8 * kk + 7]);
+            dsT[kk][0] = pack2(dpT[8 * kk + 0], dpT[8 * kk + 1]);
+            dsT[kk][1] = pack2(dpT[8 * kk + 2], dpT[8 * kk + 3]);
+            dsT[kk][2] = pack2(dpT[8 * kk + 4], dpT[8 * kk + 5]);
+            dsT[kk][3] = pack2(dpT[8 * kk + 6], dpT[8 * kk + 7]);
+        }
+
+        // dVj += Pij^T dOi, dKj += dSij^T Qi (dOi, Qi as MN-major B operands).
+        wgmma_fence();
+        issue_rows(dv, pT, do_addr);
+        issue_rows(dk, dsT, q_addr);
+        wgmma_commit();
+
+        if (dQacc != nullptr) {
+            // dSij^T into shared memory (row pairs of one key as 32-bit stores).
+#pragma unroll
+            for (int kk = 0; kk < B90_BR / 16; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = 16 * kk + 8 * half + 2 * t;
+                        *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) = dsT[kk][2 * half + r];
+                    }
+            fence_proxy_async();
+            // dSij^T of both warpgroups is visible to the tensor cores.
+            __syncthreads();
+#pragma unroll
+            for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
+                if (wg == 0)
+                    dq_columns<DQ_N0>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, 0, mblk, warp_in_wg, g, t);
+                else
+                    dq_columns<DQ_N1>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, DQ_N0, mblk, warp_in_wg,
+                                      g, t);
+            }
+        }
+        wgmma_wait<0>();  // dVj, dKj products are done: pT, dsT free
+        wgmma_hold(dv);
+        wgmma_hold(dk);
+        hold_frag(pT);
+        hold_frag(dsT);
+    }
+
+    // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
+    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
+    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = k0 + key_w + 8 * r;
+        if (j < Nk) {
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                const int d = 8 * n + 2 * t;
+                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk[4 * n + 2 * r], scale * dk[4 * n + 2 * r + 1], vec);
+                store_pair(dVg + (i64)j * dv_sn, d, D, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1], vec);
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+"""Kernel selection, defines and shared-memory sizes of pycudaflash.compiler (CPU only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pycudaflash import compiler
+
+ROOT = Path(__file__).resolve().parent.parent
+SMEM_OPTIN = {"sm_80": 166912, "sm_90": 232448}  # bytes a block may opt into
+
+
+@pytest.fixture
+def hopper_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+
+
+def test_hopper_passes_on_sm90_only(hopper_on: None) -> None:
+    for dtype in ("float16", "bfloat16"):
+        assert compiler.pass_name("fwd", dtype, "sm_90", 128) == "fwd_sm90"
+        assert compiler.pass_name("bwd", dtype, "sm_90", 128) == "bwd_sm90"
+        for arch in ("sm_80", "sm_86", "sm_89", "sm_100", None):
+            assert compiler.pass_name("fwd", dtype, arch, 128) == "fwd_f16"
+            assert compiler.pass_name("bwd", dtype, arch, 128) == "bwd_f16"
+    assert compiler.pass_name("fwd", "float32", "sm_90", 64) == "fwd"
+    assert compiler.pass_name("bwd", "float32", "sm_90", 64) == "bwd"
+
+
+def test_hopper_backward_coverage(hopper_on: None) -> None:
+    # dK, dV of 64 keys fit one warpgroup's registers up to head dim 128; a
+    # float mask at 128 stays on the mma.sync kernel.
+    for hd in (64, 96):
+        for mk in compiler.MASK_MODES:
+            assert compiler.pass_name("bwd", "float16", "sm_90", hd, mk) == "bwd_sm90"
+    assert compiler.pass_name("bwd", "float16", "sm_90", 128, "bool") == "bwd_sm90"
+    assert compiler.pass_name("bwd", "float16", "sm_90", 128, "float") == "bwd_f16"
+    for hd in (192, 256):
+        assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd) == "bwd_f16"
+        assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, "float") == "fwd_sm90"
+
+
+def test_hopper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compiler.HOPPER_ENV, "0")
+    assert compiler.pass_name("fwd", "float16", "sm_90", 128) == "fwd_f16"
+    assert compiler.pass_name("bwd", "float16", "sm_90", 64) == "bwd_f16"
+    monkeypatch.setenv(compiler.HOPPER_ENV, "1")
+    assert compiler.pass_name("fwd", "float16", "sm_90", 128) == "fwd_sm90"
+    monkeypatch.setenv(compiler.HOPPER_ENV, "yes")
+    with pytest.raises(ValueError, match="PYCUDAFLASH_WGMMA"):
+        compiler.pass_name("fwd", "float16", "sm_90", 128)
+
+
+def test_build_arch() -> None:
+    assert compiler.build_arch("fwd_sm90", "sm_90") == "sm_90a"
+    assert compiler.build_arch("bwd_sm90", "sm_90a") == "sm_90a"
+    assert compiler.build_arch("fwd_f16", "sm_80") == "sm_80"
+    with pytest.raises(ValueError, match="runs only on sm_90"):
+        compiler.build_arch("fwd_sm90", "sm_80")
+
+
+def test_hopper_defines() -> None:
+    d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128}
+    # D 256 with a dense mask takes 32 keys a step (registers), 64 without.
+    assert compiler.defines("fwd_sm90", 256, "bool", "bfloat16", "sm_90")["BC"] == 32
+    assert compiler.defines("fwd_sm90", 256, "none", "bfloat16", "sm_90")["BC"] == 64
+    b = compiler.defines("bwd_sm90", 96, "float", "bfloat16", "sm_90")
+    assert b["BWD_SM90"] == 1 and b["ELEM_BF16"] == 1 and b["B90_BR"] == 64
+    with pytest.raises(ValueError):
+        compiler.defines("bwd_sm90", 256, "none", "float16", "sm_90")
+    with pytest.raises(ValueError):
+        compiler.defines("bwd_sm90", 128, "float", "float16", "sm_90")
+    with pytest.raises(ValueError):
+        compiler.defines("fwd_sm90", 128, "none", "float32", "sm_90")
+
+
+@pytest.mark.parametrize("arch", sorted(SMEM_OPTIN))
+def test_shared_memory_fits(arch: str) -> None:
+    seen = 0
+    for pass_, defs in compiler.all_variants(arch=arch):
+        dtype = {0: "float16", 1: "bfloat16"}.get(defs.get("ELEM_BF16"), "float32")
+        kernels = (("flash_fwd_kernel",) if pass_.startswith("fwd")
+                   else ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"))
+        for kernel in kernels:
+            smem = compiler.smem_bytes(kernel, defs["HEAD_DIM"], dtype, arch, pass_, defs)
+            assert smem <= SMEM_OPTIN[arch], f"{pass_} {defs} {kernel}: {smem} bytes"
+            seen += smem > 0
+    assert seen > 0
+
+
+def test_hopper_forward_shared_memory() -> None:
+    # Qi (128 rows) + 2 stages of Kj, Vj, in whole 64-column blocks, + alignment slack.
+    d = compiler.defines("fwd_sm90", 96, "none", "float16", "sm_90")
+    assert compiler.smem_bytes("flash_fwd_kernel", 96, "float16", "sm_90", "fwd_sm90", d) == \
+        (128 + 4 * 128) * 128 * 2 + 1024
+    d = compiler.defines("fwd_sm90", 256, "float", "float16", "sm_90")
+    assert compiler.smem_bytes("flash_fwd_kernel", 256, "float16", "sm_90", "fwd_sm90", d) == \
+        (128 + 4 * 32) * 256 * 2 + 1024
+
+
+def test_wgmma_header_is_generated() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_wgmma.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
