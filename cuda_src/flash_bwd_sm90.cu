@@ -21,20 +21,27 @@
 // dq_add_pair; BWD_SM90 leaves its mma.sync dK/dV kernel out) and
 // flash_common_sm90.cuh (swizzled shared-memory tiles).
 //
-// Assumptions: as flash_bwd_f16.cu; HEAD_DIM <= 128 (dKj and dVj of 64 keys
-// stay in one warpgroup's registers).
+// Assumptions: as flash_bwd_f16.cu.
 //
-// Tile layout: B90_WGS = 2 warpgroups of 128 threads; warpgroup w owns keys
-// 64w..64w+63 of the key tile, so Bc = 128; Br = B90_BR query rows a step.
-// Per thread: Sij^T and dPij^T as Br/2 floats each, dKj and dVj as
-// HEAD_DIM/2 floats each, its share of dQi as DQ_N0/2 or DQ_N1/2 floats
-// (warpgroup 0 computes dQi columns [0, DQ_N0), warpgroup 1 [DQ_N0, HEAD_DIM)).
-// Shared memory (swizzled, 1024-byte aligned): Kj, Vj [HD_ATOMS][Bc][64];
-// Qi, dOi [2 stages][HD_ATOMS][Br][64]; dSij^T [Br/64][Bc][64]; Li, Di
-// [2 stages][Br] float32.  The next query tile loads while this one is used.
+// Two tile layouts, both with 2 warpgroups of 128 threads (B90_WGS):
+// * HEAD_DIM <= 128: Bc = 128 keys, warpgroup w owns keys 64w..64w+63 and
+//   computes Sij^T, dPij^T for them; Pij^T and dSij^T stay in registers as
+//   the A operands of dVj, dKj (as described above).  Per thread: Sij^T and
+//   dPij^T as Br/2 floats each, dKj and dVj as HEAD_DIM/2 floats each, its
+//   share of dQi as DQ_N0/2 or DQ_N1/2 floats (warpgroup 0 computes dQi
+//   columns [0, DQ_N0), warpgroup 1 [DQ_N0, HEAD_DIM)).  Shared memory
+//   (swizzled, 1024-byte aligned): Kj, Vj [HD_ATOMS][Bc][64]; Qi, dOi
+//   [2 stages][HD_ATOMS][Br][64]; dSij^T [Br/64][Bc][64]; Li, Di [2][Br].
+// * HEAD_DIM 192, 256: dKj, dVj of 64 keys would not fit one warpgroup's
+//   registers; Bc = 64 keys and the head dim is split between the
+//   warpgroups instead (layout further below).
+// The next query tile loads (cp.async) while this one is used.
 
 #define B90_WGS 2
 #define B90_THREADS (B90_WGS * WG_THREADS)
+
+#if HEAD_DIM <= 128
+// ================================================ head dim <= 128: dKj, dVj in registers
 #define B90_BC (64 * B90_WGS)
 #ifndef B90_BR
 #define B90_BR 64
@@ -304,3 +311,273 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         }
     }
 }
+
+#else  // HEAD_DIM > 128
+// ============================================ head dim 192, 256: Pij, dSij through shared memory
+// dKj and dVj of 64 keys x HEAD_DIM would not fit one warpgroup's registers,
+// so here the products are arranged differently.  Bc = 64 keys, Br = 64 query
+// rows.  Sij and dPij (64 x 64, rows x keys) are split by keys: warpgroup w
+// computes keys 32w..32w+31 of both, so Pij and dSij of an element meet in
+// one thread in float32; both are rounded into shared memory ([row][key]).
+// The products whose N is the head dim are split by columns; both
+// warpgroups run the same instructions (wgmma wants warpgroup-uniform code):
+//   dVj[:, c] += Pij^T dOi[:, c],  dKj[:, c] += dSij^T Qi[:, c]
+//       (Pij^T, dSij^T: MN-major A operands; dOi, Qi: MN-major B operands)
+//       on KV_N = 128 columns from KV_C0 * w: at head dim 256 the halves;
+//       at 192 columns [0, 128) and [64, 192), warpgroup 1 storing only its
+//       last 64 (a wgmma operand cannot start inside a swizzle block and
+//       cross into the next, so 96 + 96 is not possible);
+//   dQi[:, c] += dSij Kj[:, c]     (dSij: K-major A), DQ_CHUNKS products of
+//       DQ_CHUNK columns per warpgroup, each within one swizzle block.
+// Per thread: dKj, dVj as KV_N/2 floats each (64 keys x its columns).
+// Shared memory (swizzled): Kj, Vj [HD_ATOMS][Bc][64]; Qi, dOi [2 stages]
+// [HD_ATOMS][Br][64]; Pij, dSij [Br][64]; Li, Di [2 stages][Br].
+
+#define B90_BC 64
+#ifndef B90_BR
+#define B90_BR 64
+#endif
+#define SD_STEPS (HEAD_DIM / 16)      // k steps of Sij, dPij (over the head dim)
+#define KV_N 128                      // dKj, dVj columns computed per warpgroup
+#define KV_C0 (HEAD_DIM - KV_N)       // first of them in warpgroup 1
+#if HEAD_DIM % 128 == 0
+#define DQ_CHUNK 64                   // dQi columns per product
+#else
+#define DQ_CHUNK 32
+#endif
+#define DQ_CHUNKS (HEAD_DIM / (2 * DQ_CHUNK))  // products per warpgroup
+
+static_assert(B90_BR == 64 && B90_BC == 64, "Pij and dSij are one 64 x 64 swizzle block each");
+static_assert(HEAD_DIM > 128 && HEAD_DIM <= 256 && HEAD_DIM % 64 == 0, "whole swizzle blocks of columns");
+
+// Sij or dPij for this warpgroup's 32 keys: D[64 x 32] = A B^T over the head
+// dim; a_addr: the Qi/dOi stage (Br rows), b_addr: the warpgroup's first row
+// of Kj/Vj (a tile of Bc rows); both K-major.
+// (The addresses pass through an empty asm each step, so that the compiler
+// forms each step's descriptors just in time instead of holding all
+// 2 * SD_STEPS of them in registers.)
+__device__ __forceinline__ void issue_s32(float (&d)[16], u32 a_addr, u32 b_addr) {
+#pragma unroll
+    for (int ks = 0; ks < SD_STEPS; ++ks) {
+        asm volatile("" : "+r"(a_addr), "+r"(b_addr));
+        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
+        wgmma_ss(d, smem_desc_sw128(a_addr + blk * B90_BR * SWZ_ROW_BYTES + in_blk, 16),
+                 smem_desc_sw128(b_addr + blk * B90_BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
+    }
+}
+
+// dX[:, c0:c0+N] += A^T B[:, c0:c0+N]: A^T = Pij^T or dSij^T from the
+// [Br][64] tile at a_addr (MN-major, keys contiguous), B = dOi or Qi from the
+// stage at b_addr (MN-major); Br/16 k steps over the query rows.
+template <int N>
+__device__ __forceinline__ void issue_kv(float (&d)[N / 2], u32 a_addr, u32 b_addr, int c0) {
+#pragma unroll
+    for (int kk = 0; kk < B90_BR / 16; ++kk)
+        wgmma_ss_ta_tb(d, smem_desc_sw128(a_addr + kk * 16 * SWZ_ROW_BYTES, B90_BR * SWZ_ROW_BYTES),
+                       smem_desc_sw128(b_addr + (c0 / SWZ_COLS) * B90_BR * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES,
+                                       B90_BR * SWZ_ROW_BYTES),
+                       1);
+}
+
+// dQi[:, c:c+DQ_CHUNK] += scale * dSij Kj[:, c:c+64] into the float32 accumulator.
+__device__ __forceinline__ void dq_chunk(float *dQacc, i64 row_base, int i0, int Nq, int D, float scale, u32 ds_addr,
+                                         u32 k_addr, int c, int warp_in_wg, int g, int t) {
+    asm volatile("" : "+r"(ds_addr), "+r"(k_addr));  // (descriptors just in time, see issue_s32)
+    float dq[DQ_CHUNK / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < B90_BC / 16; ++kk)
+        wgmma_ss_tb(dq, smem_desc_sw128(ds_addr + kk * 16 * 2, 16),
+                    smem_desc_sw128(k_addr + (c / SWZ_COLS) * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES +
+                                        (c % SWZ_COLS) * 2,
+                                    B90_BC * SWZ_ROW_BYTES),
+                    kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_hold(dq);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i0 + 16 * warp_in_wg + g + 8 * r;
+        if (i < Nq) {
+            float *row = dQacc + (row_base + i) * D;
+#pragma unroll
+            for (int n = 0; n < DQ_CHUNK / 8; ++n)
+                dq_add_pair(row, c + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
+        }
+    }
+}
+
+// Write columns [c_from, c0 + KV_N) of dKj (scaled) and dVj, of the KV_N
+// this warpgroup computed from c0.
+__device__ __forceinline__ void store_kv(elem_t *dKg, elem_t *dVg, i64 dk_sn, i64 dv_sn, const float (&dk)[KV_N / 2],
+                                         const float (&dv)[KV_N / 2], float scale, int k0, int Nk, int D, int c0,
+                                         int c_from, int warp_in_wg, int g, int t, bool vec) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = k0 + 16 * warp_in_wg + g + 8 * r;
+        if (j < Nk) {
+#pragma unroll
+            for (int n = 0; n < KV_N / 8; ++n) {
+                const int d = c0 + 8 * n + 2 * t;
+                if (d < c_from) continue;
+                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk[4 * n + 2 * r], scale * dk[4 * n + 2 * r + 1], vec);
+                store_pair(dVg + (i64)j * dv_sn, d, D, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1], vec);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(B90_THREADS, 1)
+flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
+                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
+                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
+                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
+                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
+    elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
+    elem_t *Qs = Vj + B90_BC * HDP;                                     // [2][HD_ATOMS][Br][64]
+    elem_t *dOs = Qs + 2 * B90_BR * HDP;                                // [2][HD_ATOMS][Br][64]
+    elem_t *Ps = dOs + 2 * B90_BR * HDP;                                // [Br][64]: Pij
+    elem_t *dSs = Ps + B90_BR * B90_BC;                                 // [Br][64]: dSij
+    float *Ls = reinterpret_cast<float *>(dSs + B90_BR * B90_BC);       // [2][Br], Li * log2(e)
+    float *Ds = Ls + 2 * B90_BR;                                        // [2][Br]
+
+    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
+    const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int k0 = blockIdx.x * B90_BC;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+
+    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
+    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
+    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
+
+    // Query rows that see any key of this tile: [i_begin, i_end).
+    const int k_last = min(k0 + B90_BC, mp.kl) - 1;
+    const int i_begin = max(0, k0 - band_hi);
+    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
+    const int tr_begin = i_begin / B90_BR;
+    const int n_q = (i_end > i_begin) ? (i_end + B90_BR - 1) / B90_BR - tr_begin : 0;
+
+    const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
+    const u32 p_addr = smem_addr(Ps), ds_addr = smem_addr(dSs);
+    const u32 kw_addr = k_addr + 32 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 32 * wg * SWZ_ROW_BYTES;
+    constexpr u32 QD_STAGE_BYTES = B90_BR * HDP * 2;
+    const int c0 = KV_C0 * wg;                     // first dKj, dVj column of this warpgroup
+    const int row_t = 16 * warp_in_wg + g;         // this thread's first row of Sij (and row_t + 8)
+    const int key_t = 32 * wg + 2 * t;             // its first key column of Sij (+ 8n, + 1)
+
+    float dv[KV_N / 2], dk[KV_N / 2];
+#pragma unroll
+    for (int i = 0; i < KV_N / 2; ++i) dv[i] = dk[i] = 0.f;
+
+    // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
+    auto load_q_tile = [&](int it, int st) {
+        const int i0 = (tr_begin + it) * B90_BR;
+        load_tile_swz<B90_BR, B90_THREADS>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile_swz<B90_BR, B90_THREADS>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
+        if (tid < B90_BR) {
+            const bool ok = i0 + tid < Nq;
+            cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
+            cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + row_base + i0 + tid : Dvec, ok);
+        }
+    };
+
+    if (n_q > 0) {
+        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_q_tile(0, 0);
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < n_q; ++it) {
+        const int i0 = (tr_begin + it) * B90_BR;
+        const int st = it & 1;
+        cp_async_wait<0>();  // this thread's part of Qi, dOi, Li, Di (and Kj, Vj) has landed
+        fence_proxy_async();
+        // Every thread's loads are visible to all threads and the tensor cores;
+        // every warpgroup is done with the other stage (tile it-1), Pij and dSij.
+        __syncthreads();
+        if (it + 1 < n_q) load_q_tile(it + 1, st ^ 1);
+        cp_async_commit();
+
+        const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
+        const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
+
+        // Sij = Qi Kj^T and dPij = dOi Vj^T for this warpgroup's 32 keys.
+        float s[16], dp[16];
+        wgmma_fence();
+        issue_s32(s, q_addr, kw_addr);
+        wgmma_commit();
+        issue_s32(dp, do_addr, vw_addr);
+        wgmma_commit();
+        wgmma_wait<1>();  // Sij is done (dPij may still run)
+        wgmma_hold(s);
+
+        // Pij = exp2(Sij * scale * log2(e) + bias - Li).
+        const float l2[2] = {Li[row_t], Li[row_t + 8]};
+        const bool need_mask = tile_needs_mask(mp, i0, B90_BR, k0 + 32 * wg, 32);
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh,
+                                                         i0 + row_t + 8 * (e >> 1), k0 + key_t + 8 * n + (e & 1))
+                                          : s[4 * n + e] * scale_log2;
+                s[4 * n + e] = (l2[e >> 1] == NEG_INF) ? 0.f : exp2_fast(x - l2[e >> 1]);
+            }
+        wgmma_wait<0>();  // dPij is done
+        wgmma_hold(dp);
+
+        // dSij = Pij o (dPij - Di); Pij and dSij rounded into shared memory.
+        const float di[2] = {Di[row_t], Di[row_t + 8]};
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int off = swz<B90_BR>(row_t + 8 * r, key_t + 8 * n);
+                const float p0 = s[4 * n + 2 * r], p1 = s[4 * n + 2 * r + 1];
+                *reinterpret_cast<u32 *>(Ps + off) = pack2(p0, p1);
+                *reinterpret_cast<u32 *>(dSs + off) =
+                    pack2(p0 * (dp[4 * n + 2 * r] - di[r]), p1 * (dp[4 * n + 2 * r + 1] - di[r]));
+            }
+        fence_proxy_async();
+        // Pij and dSij of both warpgroups are visible to the tensor cores.
+        __syncthreads();
+
+        // dVj += Pij^T dOi, dKj += dSij^T Qi on this warpgroup's columns.
+        wgmma_fence();
+        issue_kv<KV_N>(dv, p_addr, do_addr, c0);
+        issue_kv<KV_N>(dk, ds_addr, q_addr, c0);
+        wgmma_commit();
+
+        // dQi += scale * dSij Kj on this warpgroup's half of the columns.
+        if (dQacc != nullptr) {
+#pragma unroll 1
+            for (int c = 0; c < DQ_CHUNKS; ++c)
+                dq_chunk(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, (HEAD_DIM / 2) * wg + DQ_CHUNK * c,
+                         warp_in_wg, g, t);
+        }
+        wgmma_wait<0>();  // the dVj, dKj products are done
+        wgmma_hold(dv);
+        wgmma_hold(dk);
+    }
+
+    // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
+    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
+    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
+    store_kv(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, k0, Nk, D, c0, wg == 0 ? 0 : KV_N, warp_in_wg, g, t, vec);
+}
+#endif

@@ -53,19 +53,24 @@ HOPPER_ARCHES = ("sm_90",)
 HOPPER_ENV = "PYCUDAFLASH_WGMMA"
 #: Passes that have a Hopper version.
 HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
-BWD90_BC = 128  # keys per block of the Hopper backward (2 warpgroups x 64)
+
+
+def bwd90_keys(head_dim: int) -> int:
+    """Keys per block of the Hopper backward: 2 warpgroups x 64 keys up to
+    head dim 128, 64 keys (split by columns) above."""
+    return 128 if head_dim <= 128 else 64
 
 
 def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
     """Whether the Hopper version of pass ``kind`` covers a head-dim bucket and mask kind.
 
-    The backward keeps dK and dV of 64 keys in one warpgroup's registers,
-    which bounds the head dim at 128; with a float mask at 128 its
-    addressing would spill, so that case stays on the mma.sync kernel.
+    At head dim 128 the backward keeps dK and dV of 64 keys in one
+    warpgroup's registers; a float mask's addressing would then spill, so
+    that one case stays on the mma.sync kernel.
     """
     if kind == "fwd":
         return True
-    return head_dim <= 96 or (head_dim <= 128 and mask_kind != "float")
+    return not (head_dim == 128 and mask_kind == "float")
 #: Input dtypes the kernels implement.
 DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims are padded up to one of these (kernels specialise on the bucket).
@@ -262,10 +267,12 @@ def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optiona
         hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
         return (FWD90_BR + 4 * bc) * hdp * HALF_BYTES + SMEM_ALIGN
     if pass_ == "bwd_sm90" and kernel == "flash_bwd_dkdv_kernel":
-        br, bc = t.bwd90_br, BWD90_BC
+        br, bc = t.bwd90_br, bwd90_keys(head_dim)
         hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
-        # Kj, Vj; Qi, dOi x 2 stages; dSij^T; Li, Di x 2 stages.
-        return ((2 * bc + 4 * br) * hdp + bc * br) * HALF_BYTES + 4 * br * FLOAT_BYTES + SMEM_ALIGN
+        # Kj, Vj; Qi, dOi x 2 stages; dSij^T (or Pij and dSij above 128); Li, Di x 2 stages.
+        tiles_ps = 1 if head_dim <= 128 else 2
+        return (((2 * bc + 4 * br) * hdp + tiles_ps * bc * br) * HALF_BYTES + 4 * br * FLOAT_BYTES
+                + SMEM_ALIGN)
     if dtype != "float32":
         ld = head_dim + SMEM_PAD_H
         if kernel == "flash_fwd_kernel":

@@ -303,7 +303,7 @@ class _Variant(NamedTuple):
 
     def backward_keys(self) -> int:
         """Keys per block of the dK/dV kernel."""
-        return compiler.BWD90_BC if self.pass_ == "bwd_sm90" else self.tiles.bwd_bc
+        return compiler.bwd90_keys(self.head_dim) if self.pass_ == "bwd_sm90" else self.tiles.bwd_bc
 
     def forward_block(self) -> Tuple[int, int]:
         """(query rows, threads) of one forward block."""

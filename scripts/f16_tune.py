@@ -71,8 +71,9 @@ def warm():
     for hd, spec, _ in CONFIGS:
         os.environ["PYCUDAFLASH_TILES"] = spec
         for kind in ("fwd", "bwd"):
-            p = compiler.pass_name(kind, "float16")
-            variants.add((p, tuple(sorted(compiler.defines(p, hd, "none", "float16").items()))))
+            arch = compiler.arch_of_current_device()
+            p = compiler.pass_name(kind, "float16", arch, hd)
+            variants.add((p, tuple(sorted(compiler.defines(p, hd, "none", "float16", arch).items()))))
     os.environ["PYCUDAFLASH_TILES"] = ""
     t = time.perf_counter()
     try:

@@ -29,7 +29,8 @@ HEADER = Path(__file__).resolve().parent.parent / "cuda_src" / "flash_wgmma.cuh"
 SHAPES = (
     [("ss", 0, 0, n) for n in (32, 64, 96, 128)]      # Sij = Qi Kj^T, S^T = Kj Qi^T
     + [("rs", 0, 1, n) for n in (64, 96, 128, 192, 256)]  # Oi += Pij Vj, dV += P^T dO, dK += dS^T Q
-    + [("ss", 1, 1, n) for n in (32, 64)]                  # dQ += dS Kj (dS^T and Kj MN-major)
+    + [("ss", 1, 1, n) for n in (32, 64, 128)]             # dQ += dS Kj (dS^T, Kj MN-major); dV += P^T dO
+    + [("ss", 0, 1, n) for n in (32, 64)]                  # dQ += dS Kj (dS K-major, Kj MN-major)
 )
 
 PREAMBLE = """\
@@ -45,7 +46,8 @@ PREAMBLE = """\
 // previous product, packed in pairs, feed the next one directly.
 //
 // Names: wgmma_ss (A, B from shared memory, both K-major), wgmma_rs_tb (A
-// from registers, B MN-major), wgmma_ss_ta_tb (both MN-major); N follows
+// from registers, B MN-major), wgmma_ss_ta_tb (both MN-major), wgmma_ss_tb
+// (A K-major, B MN-major); N follows
 // from the size of the accumulator array (overloads).
 // `accumulate` = 0 overwrites D (the first k step of a product), 1 adds to it.
 // The instructions are asynchronous: wgmma_fence() before the first one that

@@ -47,7 +47,7 @@ def acc_bwd():
     torch.manual_seed(1)
     worst = 0.0
     for dt in ("float16", "bfloat16"):
-        for D in (64, 96, 128, 40, 256):
+        for D in (64, 96, 128, 40, 192, 256, 200):
             for (B, H, Nq, Nk, causal, masked) in ((2, 3, 128, 128, False, False), (1, 2, 113, 257, True, False),
                                                    (1, 2, 300, 97, False, True), (2, 1, 1, 17, False, False),
                                                    (1, 1, 513, 700, True, False)):
@@ -151,9 +151,14 @@ def speed():
               it = iter(range(10 ** 9))
               fl = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
 
+              # Outputs preallocated (as scripts/bench.py): a freed device
+              # allocation would synchronise the device every call.
+              outs = [(torch.empty_like(st[0]), torch.empty(B, H, N, device="cuda")) for st in sets]
+              grads_out = [tuple(torch.empty_like(x) for x in st) for st in sets]
+
               def ours():
-                  q, k, v = sets[next(it) % 4]
-                  flash_attn_forward(q, k, v, causal=causal)
+                  i = next(it) % 4
+                  flash_attn_forward(*sets[i], causal=causal, out=outs[i][0], lse=outs[i][1])
 
               def peer():
                   q, k, v = sets[next(it) % 4]
@@ -172,7 +177,7 @@ def speed():
 
               # Backward: per set, our forward's out/lse and a torch graph.
               do = [torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(4)]
-              fw = [flash_attn_forward(*st, causal=causal) for st in sets]
+              fw = [flash_attn_forward(*st, causal=causal, out=o, lse=l) for st, (o, l) in zip(sets, outs)]
               tg = []
               for st in sets:
                   tq, tk, tv = (x.detach().requires_grad_() for x in st)
@@ -182,7 +187,8 @@ def speed():
 
               def ours_b():
                   i = next(it) % 4
-                  flash_attn_backward(do[i], *sets[i], *fw[i], causal=causal)
+                  dq, dk, dv = grads_out[i]
+                  flash_attn_backward(do[i], *sets[i], *fw[i], causal=causal, dq=dq, dk=dk, dv=dv)
 
               def peer_b():
                   i = next(it) % 4

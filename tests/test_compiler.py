@@ -31,16 +31,14 @@ def test_hopper_passes_on_sm90_only(hopper_on: None) -> None:
 
 
 def test_hopper_backward_coverage(hopper_on: None) -> None:
-    # dK, dV of 64 keys fit one warpgroup's registers up to head dim 128; a
-    # float mask at 128 stays on the mma.sync kernel.
-    for hd in (64, 96):
+    # Every bucket and mask kind but a float mask at head dim 128 (its
+    # addressing would spill there), which stays on the mma.sync kernel.
+    for hd in compiler.HEAD_DIM_BUCKETS_F16:
         for mk in compiler.MASK_MODES:
-            assert compiler.pass_name("bwd", "float16", "sm_90", hd, mk) == "bwd_sm90"
-    assert compiler.pass_name("bwd", "float16", "sm_90", 128, "bool") == "bwd_sm90"
-    assert compiler.pass_name("bwd", "float16", "sm_90", 128, "float") == "bwd_f16"
-    for hd in (192, 256):
-        assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd) == "bwd_f16"
-        assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, "float") == "fwd_sm90"
+            want = "bwd_f16" if (hd, mk) == (128, "float") else "bwd_sm90"
+            assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mk) == want
+            assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mk) == "fwd_sm90"
+    assert [compiler.bwd90_keys(hd) for hd in compiler.HEAD_DIM_BUCKETS_F16] == [128, 128, 128, 64, 64]
 
 
 def test_hopper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,8 +68,7 @@ def test_hopper_defines() -> None:
     assert compiler.defines("fwd_sm90", 256, "none", "bfloat16", "sm_90")["BC"] == 64
     b = compiler.defines("bwd_sm90", 96, "float", "bfloat16", "sm_90")
     assert b["BWD_SM90"] == 1 and b["ELEM_BF16"] == 1 and b["B90_BR"] == 64
-    with pytest.raises(ValueError):
-        compiler.defines("bwd_sm90", 256, "none", "float16", "sm_90")
+    assert compiler.defines("bwd_sm90", 256, "none", "float16", "sm_90")["HEAD_DIM"] == 256
     with pytest.raises(ValueError):
         compiler.defines("bwd_sm90", 128, "float", "float16", "sm_90")
     with pytest.raises(ValueError):
@@ -100,6 +97,15 @@ def test_hopper_forward_shared_memory() -> None:
     d = compiler.defines("fwd_sm90", 256, "float", "float16", "sm_90")
     assert compiler.smem_bytes("flash_fwd_kernel", 256, "float16", "sm_90", "fwd_sm90", d) == \
         (128 + 4 * 32) * 256 * 2 + 1024
+
+
+def test_hopper_backward_shared_memory() -> None:
+    # Kj, Vj; Qi, dOi in 2 stages; dS^T (Pij and dSij above 128); Li, Di in 2 stages; slack.
+    def smem(hd: int) -> int:
+        return compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, "bfloat16", "sm_90", "bwd_sm90")
+    assert smem(128) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
+    assert smem(96) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
+    assert smem(256) == ((2 * 64 + 4 * 64) * 256 + 2 * 64 * 64) * 2 + 4 * 64 * 4 + 1024
 
 
 def test_wgmma_header_is_generated() -> None:
