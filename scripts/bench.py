@@ -85,6 +85,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "viewed as (B, H, N, D)")
     p.add_argument("--deterministic", action="store_true", help="time the deterministic backward")
     p.add_argument("--no-peer", action="store_true", help="do not time torch even when it is importable")
+    p.add_argument("--peers", metavar="NAMES",
+                   help="comma-separated subset of the dtype's peers to time (flash, mem-eff, cudnn); "
+                        "default: all of them")
     p.add_argument("--json", metavar="PATH", help="write every result to this JSON file")
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG of TFLOP/s against sequence length (default with --json: "
@@ -639,6 +642,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         arr = TorchArrays(torch, args.dtype, args.layout)
         peers = peer_backends(torch, args.dtype)
+        if args.peers:
+            keep = {f"torch-{n.strip()}" for n in args.peers.split(",") if n.strip()}
+            unknown = keep - {name for name, _, _ in peers}
+            if unknown:
+                raise SystemExit(f"--peers: {sorted(unknown)} not among {[n for n, _, _ in peers]}")
+            peers = [p for p in peers if p[0] in keep]
 
     modes = {"none": [False], "causal": [True], "both": [False, True]}[args.causal]
     results: List[ConfigResult] = []
