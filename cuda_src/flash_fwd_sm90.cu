@@ -56,7 +56,7 @@
 #define S_REGS (BC / 2)                         // Sij floats per thread
 #define O_REGS (HEAD_DIM / 2)                   // Oi floats per thread
 
-static_assert(BC % 16 == 0 && BC >= 32 && BC <= 128, "key tile: whole k steps of Pij Vj, a wgmma N");
+static_assert(BC % 16 == 0 && BC >= 32 && BC <= 192, "key tile: whole k steps of Pij Vj, a wgmma N");
 static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
 static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
 
@@ -83,24 +83,32 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[BC /
 // Scores to log2 units (masked on boundary tiles), then the online softmax
 // of one tile: new row max mi, alpha = exp2(m_old - mi) for Oi, Pij =
 // exp2(Sij - mi) in place, li = alpha * li + rowsum(Pij) (this thread's
-// columns).  i0: row of s[0]; j0: column of s[0].
+// columns).  i0: row of s[0]; j0: column of s[0].  On a tile without masks
+// (and scale > 0, so that scaling keeps the maximum) the scale is folded
+// into the exponent instead: the raw row maximum, then one FFMA per score,
+// exp2(s * scale_log2 - mi).
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
                                              bool need_mask, float scale_log2, const MaskParams &mp,
                                              const char *mask_bh, int i0, int j0) {
+    const bool fold = !need_mask && scale_log2 > 0.f;
+    if (!fold) {
 #pragma unroll
-    for (int n = 0; n < BC / 8; ++n)
+        for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i0 + 8 * (e >> 1),
-                                                    j0 + 8 * n + (e & 1))
-                                     : s[4 * n + e] * scale_log2;
+            for (int e = 0; e < 4; ++e)
+                s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i0 + 8 * (e >> 1),
+                                                        j0 + 8 * n + (e & 1))
+                                         : s[4 * n + e] * scale_log2;
+    }
+    const float c = fold ? scale_log2 : 1.f;  // what still multiplies s
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = m_i[r];
+        float mx = NEG_INF;
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(m_i[r], mx * c);
         // A row that has seen only masked keys keeps mi = -inf; use 0 as the
         // exponent base so that exp2(-inf - base) = 0 and nothing is NaN.
         const float base = (mx == NEG_INF) ? 0.f : mx;
@@ -109,8 +117,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&m_i)[2]
         float rowsum = 0.f;
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n) {
-            s[4 * n + 2 * r] = exp2_fast(s[4 * n + 2 * r] - base);
-            s[4 * n + 2 * r + 1] = exp2_fast(s[4 * n + 2 * r + 1] - base);
+            s[4 * n + 2 * r] = exp2_fast(fmaf(s[4 * n + 2 * r], c, -base));
+            s[4 * n + 2 * r + 1] = exp2_fast(fmaf(s[4 * n + 2 * r + 1], c, -base));
             rowsum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
         }
         l_i[r] = l_i[r] * alpha[r] + rowsum;

@@ -27,7 +27,7 @@ HEADER = Path(__file__).resolve().parent.parent / "cuda_src" / "flash_wgmma.cuh"
 # The wrappers are overloads of one name per (source, transposes): the size of
 # the accumulator array picks N.
 SHAPES = (
-    [("ss", 0, 0, n) for n in (32, 64, 96, 128)]      # Sij = Qi Kj^T, S^T = Kj Qi^T
+    [("ss", 0, 0, n) for n in (32, 64, 96, 128, 192)]  # Sij = Qi Kj^T, S^T = Kj Qi^T
     + [("rs", 0, 1, n) for n in (64, 96, 128, 192, 256)]  # Oi += Pij Vj, dV += P^T dO, dK += dS^T Q
     + [("ss", 1, 1, n) for n in (32, 64, 128)]             # dQ += dS Kj (dS^T, Kj MN-major); dV += P^T dO
     + [("ss", 0, 1, n) for n in (32, 64)]                  # dQ += dS Kj (dS K-major, Kj MN-major)
