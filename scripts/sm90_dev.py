@@ -1,11 +1,13 @@
 """Quick check of the Hopper (wgmma) kernels on a GPU: accuracy, then speed (development tool).
 
-    python3 scripts/sm90_dev.py [acc] [speed]
+    python3 scripts/sm90_dev.py [acc] [bwd] [speed]
 
-acc: forward (and backward) of off-grid shapes and every mask kind against a
+acc / bwd: forward / backward of off-grid shapes and mask kinds against a
 float64 reference, beside the same attention computed by torch in the input
 dtype; speed: TF/s of the Hopper kernels, the mma.sync kernels
 ($PYCUDAFLASH_WGMMA=0) and torch SDPA's flash backend, in one process.
+The property suite is the real check; this is the quick look while a
+kernel changes.
 """
 
 import os
@@ -134,75 +136,72 @@ def timed(fn, reps=10, rounds=3):
     return float(np.median(ts))
 
 
-def speed():
+def speed_config(D, N, causal, dt=torch.float16):
+    """Forward and backward TF/s of the Hopper kernels, the mma.sync kernels and torch flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dt = torch.float16
+    B, H = 16384 // N, 2048 // D
+    sets = [[torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(3)] for _ in range(4)]
+    do = [torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(4)]
+    # Outputs preallocated (as scripts/bench.py): a freed device allocation
+    # would synchronise the device every call.
+    outs = [(torch.empty_like(st[0]), torch.empty(B, H, N, device="cuda")) for st in sets]
+    grads_out = [tuple(torch.empty_like(x) for x in st) for st in sets]
+    it = iter(range(10 ** 9))
+    fl = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+    def ours_f():
+        i = next(it) % 4
+        flash_attn_forward(*sets[i], causal=causal, out=outs[i][0], lse=outs[i][1])
+
+    def peer_f():
+        i = next(it) % 4
+        torch.nn.functional.scaled_dot_product_attention(*sets[i], is_causal=causal)
+
+    def ours_b():
+        i = next(it) % 4
+        dq, dk, dv = grads_out[i]
+        flash_attn_backward(do[i], *sets[i], *outs[i], causal=causal, dq=dq, dk=dk, dv=dv)
+
+    graphs = []
+    for st in sets:
+        tq, tk, tv = (x.detach().requires_grad_() for x in st)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            graphs.append(((tq, tk, tv), torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
+                                                                                         is_causal=causal)))
+
+    def peer_b():
+        i = next(it) % 4
+        torch.autograd.grad(graphs[i][1], graphs[i][0], do[i], retain_graph=True)
+
+    for kind, ours, peer, flops in (("fwd", ours_f, peer_f, fl), ("bwd", ours_b, peer_b, 2.5 * fl)):
+        res = {}
+        for name, env in (("wgmma", "1"), ("mma.sync", "0")):
+            os.environ["PYCUDAFLASH_WGMMA"] = env
+            if kind == "bwd":  # out and lse of this kernel family's forward
+                for st, (o, l) in zip(sets, outs):
+                    flash_attn_forward(*st, causal=causal, out=o, lse=l)
+            res[name] = timed(ours)
+        os.environ["PYCUDAFLASH_WGMMA"] = "1"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            res["flash"] = timed(peer)
+        print(f"{kind} D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
+            f"{k} {flops / t / 1e9:5.0f}" for k, t in res.items()) +
+            f"   ratio wgmma/flash {res['flash'] / res['wgmma']:.2f}", flush=True)
+
+
+def speed():
+    """$SM90_DEV_DIMS (head dims), $SM90_DEV_SHORT (two shapes only) and
+    $SM90_DEV_SPECS ('|'-separated $PYCUDAFLASH_TILES values to compare)."""
     dims = [int(x) for x in os.environ.get("SM90_DEV_DIMS", "64 128 256").split()]
     shapes = [(4096, False), (16384, True)] if os.environ.get("SM90_DEV_SHORT") else \
         [(1024, False), (4096, False), (16384, True)]
     for spec in os.environ.get("SM90_DEV_SPECS", "").split("|"):
-      os.environ["PYCUDAFLASH_TILES"] = spec
-      print(f"tiles: {spec or 'default'}", flush=True)
-      for D in dims:
-        for N, causal in shapes:
-              B, H = 16384 // N, 2048 // D
-              sets = [[torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(3)] for _ in range(4)]
-              it = iter(range(10 ** 9))
-              fl = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-
-              # Outputs preallocated (as scripts/bench.py): a freed device
-              # allocation would synchronise the device every call.
-              outs = [(torch.empty_like(st[0]), torch.empty(B, H, N, device="cuda")) for st in sets]
-              grads_out = [tuple(torch.empty_like(x) for x in st) for st in sets]
-
-              def ours():
-                  i = next(it) % 4
-                  flash_attn_forward(*sets[i], causal=causal, out=outs[i][0], lse=outs[i][1])
-
-              def peer():
-                  q, k, v = sets[next(it) % 4]
-                  torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-              res = {}
-              for name, env in (("wgmma", "1"), ("mma.sync", "0")):
-                  os.environ["PYCUDAFLASH_WGMMA"] = env
-                  res[name] = timed(ours)
-              os.environ["PYCUDAFLASH_WGMMA"] = "1"
-              with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                  res["flash"] = timed(peer)
-              print(f"fwd D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
-                  f"{k} {fl / t / 1e9:5.0f}" for k, t in res.items()) +
-                  f"   ratio wgmma/flash {res['flash'] / res['wgmma']:.2f}", flush=True)
-
-              # Backward: per set, our forward's out/lse and a torch graph.
-              do = [torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(4)]
-              fw = [flash_attn_forward(*st, causal=causal, out=o, lse=l) for st, (o, l) in zip(sets, outs)]
-              tg = []
-              for st in sets:
-                  tq, tk, tv = (x.detach().requires_grad_() for x in st)
-                  with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                      tg.append(((tq, tk, tv), torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
-                                                                                                is_causal=causal)))
-
-              def ours_b():
-                  i = next(it) % 4
-                  dq, dk, dv = grads_out[i]
-                  flash_attn_backward(do[i], *sets[i], *fw[i], causal=causal, dq=dq, dk=dk, dv=dv)
-
-              def peer_b():
-                  i = next(it) % 4
-                  torch.autograd.grad(tg[i][1], tg[i][0], do[i], retain_graph=True)
-
-              rb = {}
-              for name, env in (("wgmma", "1"), ("mma.sync", "0")):
-                  os.environ["PYCUDAFLASH_WGMMA"] = env
-                  rb[name] = timed(ours_b)
-              os.environ["PYCUDAFLASH_WGMMA"] = "1"
-              rb["flash"] = timed(peer_b)
-              print(f"bwd D{D:3d} N{N:5d} c{int(causal)}  " + "  ".join(
-                  f"{k} {2.5 * fl / t / 1e9:5.0f}" for k, t in rb.items()) +
-                  f"   ratio wgmma/flash {rb['flash'] / rb['wgmma']:.2f}", flush=True)
+        os.environ["PYCUDAFLASH_TILES"] = spec
+        print(f"tiles: {spec or 'default'}", flush=True)
+        for D in dims:
+            for N, causal in shapes:
+                speed_config(D, N, causal)
 
 
 def warm():
