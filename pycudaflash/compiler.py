@@ -2,13 +2,17 @@
 
 This module is the only place that knows how a kernel variant is built:
 
-* a *variant* is one pass (``'fwd'`` or ``'bwd'``) plus its ``-D`` defines
-  (head-dim bucket, mask mode, tile sizes);
-* its source is ``flash_common.cuh`` pasted in front of the pass's ``.cu``
-  file (no ``#include``, so PyCUDA's disk cache is keyed on the plain text);
+* a *variant* is one pass (:data:`PASSES`: ``'fwd'``/``'bwd'`` for float32,
+  ``'*_f16'`` for float16/bfloat16 with ``mma.sync``, ``'*_sm90'`` for
+  float16/bfloat16 with Hopper's ``wgmma``) plus its ``-D`` defines (head-dim
+  bucket, mask mode, dtype, tile sizes);
+* its source is the pass's files (the common headers, then the ``.cu``)
+  pasted together (no ``#include``, so PyCUDA's disk cache is keyed on the
+  plain text);
 * it is compiled by PyCUDA's ``SourceModule`` with ``no_extern_c=True`` for the
-  current device's architecture, cached on disk by PyCUDA (``cache_dir()``)
-  and in memory per (context, variant) on top of that.
+  current device's architecture (``sm_90a`` for the ``*_sm90`` passes),
+  cached on disk by PyCUDA (``cache_dir()``) and in memory per (context,
+  variant) on top of that.
 
 :func:`compile_offline` runs the same compilation through ``nvcc`` alone (no
 GPU needed) and reports registers and spills; the test suite uses it to
