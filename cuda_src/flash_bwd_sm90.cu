@@ -29,7 +29,8 @@
 //   the A operands of dVj, dKj (as described above).  Per thread: Sij^T and
 //   dPij^T as Br/2 floats each, dKj and dVj as HEAD_DIM/2 floats each, its
 //   share of dQi as DQ_N0/2 or DQ_N1/2 floats (warpgroup 0 computes dQi
-//   columns [0, DQ_N0), warpgroup 1 [DQ_N0, HEAD_DIM)).  Shared memory
+//   columns [0, DQ_N0), warpgroup 1 [DQ_N0, HEAD_DIM); a third warpgroup,
+//   where the registers allow one (B90_WGS 3: Bc = 192), only dKj, dVj).  Shared memory
 //   (swizzled, 1024-byte aligned): Kj, Vj [HD_ATOMS][Bc][64]; Qi, dOi
 //   [2 stages][HD_ATOMS][Br][64]; dSij^T [Br/64][Bc][64]; Li, Di [2][Br].
 // * HEAD_DIM 192, 256: dKj, dVj of 64 keys would not fit one warpgroup's
@@ -37,7 +38,9 @@
 //   warpgroups instead (layout further below).
 // The next query tile loads (cp.async) while this one is used.
 
+#ifndef B90_WGS
 #define B90_WGS 2
+#endif
 #define B90_THREADS (B90_WGS * WG_THREADS)
 
 #if HEAD_DIM <= 128
@@ -63,6 +66,7 @@
 
 static_assert(HEAD_DIM <= 128 && HEAD_DIM % 32 == 0, "dK/dV of 64 keys in one warpgroup's registers");
 static_assert(B90_BR % 64 == 0 && B90_BR <= 128, "query tile: whole swizzle blocks of dS^T, a wgmma N");
+static_assert(B90_WGS == 2 || B90_WGS == 3, "warpgroups of a block: 2 or 3");
 static_assert(DQ_N0 % 32 == 0 && DQ_N1 % 32 == 0 && (DQ_N0 % SWZ_COLS == 0 || DQ_N0 + DQ_N1 <= SWZ_COLS),
               "dQ column split: wgmma N of 32 or 64 inside whole swizzle blocks");
 
@@ -283,7 +287,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
             for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
                 if (wg == 0)
                     dq_columns<DQ_N0>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, 0, mblk, warp_in_wg, g, t);
-                else
+                else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
                     dq_columns<DQ_N1>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, DQ_N0, mblk, warp_in_wg,
                                       g, t);
             }

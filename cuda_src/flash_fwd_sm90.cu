@@ -15,8 +15,11 @@
 // in elem_t, lse (B,H,Nq) float32, last dimension contiguous; D <= HEAD_DIM
 // (columns D..HEAD_DIM-1 zero-filled in shared memory); any Nq, Nk >= 1.
 //
-// Tile layout: FWD_WGS = 2 warpgroups of 128 threads; warpgroup w owns rows
-// 64w..64w+63 of Qi, so Br = 128; Bc = BC keys per step.  Per thread: Sij as
+// Tile layout: FWD_WGS warpgroups of 128 threads (2 by default; 3 fit 168
+// registers a thread where the tiles allow); warpgroup w owns rows
+// 64w..64w+63 of Qi, so Br = 64 FWD_WGS; Bc = BC keys per step.  FWD_MINB
+// blocks share an SM (head dim 64: Bc = 64 in 128 registers, 2 blocks, so
+// one block's prologue and epilogue overlap the other's main loop).  Per thread: Sij as
 // BC/2 floats, Oi as HEAD_DIM/2 floats (layout in flash_wgmma.cuh); a row's
 // statistics reduce over the 4 lanes of a quad.
 // Shared memory (1024-byte aligned): Qi [HD_ATOMS][Br][64], Kj and Vj
@@ -49,7 +52,17 @@
 #define FWD_OVERLAP 1
 #endif
 #endif
-#define FWD_WGS 2
+// Fold the scale into the exponent on unmasked tiles (measured faster up to
+// head dim 128, slower at 256).
+#ifndef FWD_FOLD
+#define FWD_FOLD (HEAD_DIM <= 128)
+#endif
+#ifndef FWD_WGS
+#define FWD_WGS 2  // warpgroups of 64 query rows each
+#endif
+#ifndef FWD_MINB
+#define FWD_MINB 1  // blocks per SM the registers must allow
+#endif
 #define FWD_THREADS (FWD_WGS * WG_THREADS)
 #define BR (64 * FWD_WGS)
 #define K_STEPS (HEAD_DIM / 16)                 // k steps of Sij = Qi Kj^T
@@ -58,6 +71,7 @@
 
 static_assert(BC % 16 == 0 && BC >= 32 && BC <= 192, "key tile: whole k steps of Pij Vj, a wgmma N");
 static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
+static_assert(FWD_WGS >= 1 && FWD_WGS <= 3, "warpgroups of a block (up to 384 threads)");
 static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
 
 // Sij = Qi Kj^T for one warpgroup: K_STEPS k steps of 16 over the head dim
@@ -83,14 +97,14 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[BC /
 // Scores to log2 units (masked on boundary tiles), then the online softmax
 // of one tile: new row max mi, alpha = exp2(m_old - mi) for Oi, Pij =
 // exp2(Sij - mi) in place, li = alpha * li + rowsum(Pij) (this thread's
-// columns).  i0: row of s[0]; j0: column of s[0].  On a tile without masks
-// (and scale > 0, so that scaling keeps the maximum) the scale is folded
-// into the exponent instead: the raw row maximum, then one FFMA per score,
-// exp2(s * scale_log2 - mi).
+// columns).  i0: row of s[0]; j0: column of s[0].  With FWD_FOLD, on a
+// tile without masks (and scale > 0, so that scaling keeps the maximum) the
+// scale is folded into the exponent instead: the raw row maximum, then one
+// FFMA per score, exp2(s * scale_log2 - mi).
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
                                              bool need_mask, float scale_log2, const MaskParams &mp,
                                              const char *mask_bh, int i0, int j0) {
-    const bool fold = !need_mask && scale_log2 > 0.f;
+    const bool fold = FWD_FOLD && !need_mask && scale_log2 > 0.f;
     if (!fold) {
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n)
@@ -155,7 +169,7 @@ __device__ __forceinline__ void hold_p(u32 (&p)[BC / 16][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
 }
 
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,

@@ -33,6 +33,7 @@ class Operand:
     dtype: np.dtype
     ptr: int = 0
     array: Optional[np.ndarray] = None
+    read_only: bool = False  # device operands: the exporter's read-only flag
 
     @property
     def on_device(self) -> bool:

@@ -55,14 +55,20 @@ PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
 #: environment variable that turns them off (``0``: use the mma.sync kernels).
 HOPPER_ARCHES = ("sm_90",)
 HOPPER_ENV = "PYCUDAFLASH_WGMMA"
+TILES_ENV = "PYCUDAFLASH_TILES"
+#: Environment variables that change which variant a problem gets.
+TUNING_ENV = (HOPPER_ENV, TILES_ENV)
 #: Passes that have a Hopper version.
 HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
+WG_ROWS = 64  # rows of one warpgroup's tile (wgmma's M): queries in the forward, keys in the backward
+WG_THREADS = 128
 
 
-def bwd90_keys(head_dim: int) -> int:
-    """Keys per block of the Hopper backward: 2 warpgroups x 64 keys up to
-    head dim 128, 64 keys (split by columns) above."""
-    return 128 if head_dim <= 128 else 64
+def bwd90_block(defs: Dict[str, int]) -> Tuple[int, int]:
+    """(keys, threads) of one block of a Hopper backward variant: 64 keys per
+    warpgroup up to head dim 128, 64 keys (split by columns) above."""
+    wgs = defs["B90_WGS"]
+    return (WG_ROWS * wgs if defs["HEAD_DIM"] <= 128 else WG_ROWS), WG_THREADS * wgs
 
 
 def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
@@ -169,7 +175,10 @@ class Tiles:
     fwd_warps: int = FWD_WARPS
     fwd_mt: int = 1
     fwd90_bc: int = 0  # keys per step of the Hopper forward (0: not used here)
+    fwd90_wgs: int = 2  # warpgroups (of 64 query rows) per block of the Hopper forward
+    fwd90_minb: int = 1  # blocks per SM its registers must allow
     bwd90_br: int = 0  # query rows per step of the Hopper backward
+    bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
 
 
 def _lean(arch: Optional[str]) -> bool:
@@ -188,7 +197,7 @@ def tiles(head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> 
     ``"128:fwd_bc=32,bwd_br=32;h64:fwd_bc=128,fwd_mt=2"`` (an ``h`` before
     the head dim selects the float16/bfloat16 kernels).
     """
-    return _tiles(head_dim, dtype, _lean(arch), os.environ.get("PYCUDAFLASH_TILES", "").strip())
+    return _tiles(head_dim, dtype, _lean(arch), os.environ.get(TILES_ENV, "").strip())
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,7 +217,9 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
         )
     elif half:
         # Measured on the H200 (scripts/f16_tune.py): two 16-row blocks per
-        # warp where the registers allow it.
+        # warp where the registers allow it.  Hopper, head dim 64: the
+        # forward with 64 keys a step fits 128 registers, so 2 blocks share
+        # an SM; the backward fits 3 warpgroups (192 keys) in 168 registers.
         sizes = dict(
             fwd_warps=4,
             fwd_mt=2 if head_dim <= 128 else 1,
@@ -217,8 +228,11 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             bwd_bc=64 if big else 128,
             dq_br=16 * DQ_WARPS,
             dq_bc=32 if big else 64,
-            fwd90_bc=128 if head_dim <= 128 else 64,
+            fwd90_bc=64 if head_dim <= 64 else (128 if head_dim <= 128 else 64),
+            fwd90_wgs=2,
+            fwd90_minb=2 if head_dim <= 64 else 1,
             bwd90_br=64,
+            bwd90_wgs=3 if head_dim <= 64 else 2,
         )
     else:
         small = head_dim <= 64
@@ -250,8 +264,6 @@ def _parse_tile_spec(spec: str) -> Dict[str, Dict[str, int]]:
     return out
 
 
-FWD90_BR = 128  # query rows per block of the Hopper forward (2 warpgroups x 64)
-FWD90_THREADS = 256
 SWZ_COLS = 64  # columns of a 128-byte swizzle block (Hopper kernels)
 SMEM_ALIGN = 1024  # alignment slack of the swizzled tiles
 
@@ -267,11 +279,12 @@ def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optiona
     if pass_ == "fwd_sm90":
         if kernel != "flash_fwd_kernel":
             return 0
-        bc = defs["BC"] if defs else t.fwd90_bc
+        defs = defs or defines(pass_, head_dim, "none", dtype, arch)
         hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
-        return (FWD90_BR + 4 * bc) * hdp * HALF_BYTES + SMEM_ALIGN
+        return (WG_ROWS * defs["FWD_WGS"] + 4 * defs["BC"]) * hdp * HALF_BYTES + SMEM_ALIGN
     if pass_ == "bwd_sm90" and kernel == "flash_bwd_dkdv_kernel":
-        br, bc = t.bwd90_br, bwd90_keys(head_dim)
+        defs = defs or defines(pass_, head_dim, "none", dtype, arch)
+        br, bc = defs["B90_BR"], bwd90_block(defs)[0]
         hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
         # Kj, Vj; Qi, dOi x 2 stages; dSij^T (or Pij and dSij above 128); Li, Di x 2 stages.
         tiles_ps = 1 if head_dim <= 128 else 2
@@ -316,12 +329,20 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     if pass_ == "fwd_sm90":
         if not t.fwd90_bc:
             raise ValueError(f"pass {pass_!r} has no tiles for arch {arch}")
-        # A dense mask's addressing needs registers: D 256 then takes 32 keys a step.
-        out["BC"] = min(t.fwd90_bc, 32) if (mask_kind != "none" and head_dim > 192) else t.fwd90_bc
+        # A dense mask's addressing needs registers: D 256 then takes 32 keys a
+        # step, and the tighter register budgets of 3 warpgroups (168) or 2
+        # blocks per SM (128) would spill.
+        dense = mask_kind != "none"
+        out["BC"] = min(t.fwd90_bc, 32) if (dense and head_dim > 192) else t.fwd90_bc
+        out["FWD_WGS"] = min(t.fwd90_wgs, 2) if dense else t.fwd90_wgs
+        out["FWD_MINB"] = 1 if dense else t.fwd90_minb
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}")
-        out.update(BWD_SM90=1, B90_BR=t.bwd90_br, DQ_BC=t.dq_bc)
+        # 3 warpgroups only where 168 registers suffice (not with a dense mask)
+        # and for the layout up to head dim 128.
+        wgs = t.bwd90_wgs if (mask_kind == "none" and head_dim <= 128) else min(t.bwd90_wgs, 2)
+        out.update(BWD_SM90=1, B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
     elif pass_.startswith("fwd"):
         out["BC"] = t.fwd_bc
         if half:
@@ -399,7 +420,8 @@ _functions: Dict[tuple, object] = {}
 compiled_variants: List[Tuple[str, Tuple[Tuple[str, int], ...]]] = []
 
 
-def _context_key() -> int:
+def context_key() -> int:
+    """Handle of the current CUDA context: the key of the per-context caches."""
     import pycuda.driver as drv
 
     ctx = drv.Context.get_current()
@@ -415,7 +437,7 @@ def arch_of_current_device() -> str:
     """``sm_XY`` of the current context's device (memoised per context)."""
     import pycuda.driver as drv
 
-    key = _context_key()
+    key = context_key()
     arch = _arches.get(key)
     if arch is None:
         major, minor = drv.Context.get_device().compute_capability()
@@ -427,7 +449,7 @@ def get_module(pass_: str, defs: Dict[str, int]):
     """The compiled module of a variant in the current context (memoised)."""
     from pycuda.compiler import SourceModule
 
-    key = (_context_key(), pass_, tuple(sorted(defs.items())))
+    key = (context_key(), pass_, tuple(sorted(defs.items())))
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -450,7 +472,7 @@ def get_function(pass_: str, defs: Dict[str, int], name: str, arg_format: str, s
     """A prepared kernel function with its dynamic shared memory limit raised to ``smem``."""
     import pycuda.driver as drv
 
-    key = (_context_key(), pass_, tuple(sorted(defs.items())), name)
+    key = (context_key(), pass_, tuple(sorted(defs.items())), name)
     fn = _functions.get(key)
     if fn is not None:
         return fn

@@ -38,6 +38,13 @@ def activate(device: Optional[int] = None):
     """
     import pycuda.driver as drv
 
+    if device is None:
+        # Fast path: the context this thread activated last is still current.
+        last = getattr(_state, "last", None)
+        if last is not None:
+            current = drv.Context.get_current()
+            if current is not None and _handle(current) == last[0]:
+                return last[1]
     drv.init()
     current = drv.Context.get_current()
     if device is None:
@@ -56,6 +63,7 @@ def activate(device: Optional[int] = None):
         pushed = getattr(_state, "pushed", [])
         pushed.append(ctx)
         _state.pushed = pushed
+    _state.last = (_handle(ctx), ctx)
     return ctx
 
 
@@ -90,6 +98,7 @@ def _release() -> None:
         except Exception:
             break
     _state.pushed = []
+    _state.last = None
 
 
 # ---------------------------------------------------------------- workspace
@@ -288,42 +297,67 @@ def _kernel_dtype(prob: Problem) -> str:
     return name
 
 
-class _Variant(NamedTuple):
-    """The compiled variant a problem needs for one pass, on the current device."""
+class _Variant:
+    """The compiled variant a problem needs for one pass, on the current device.
 
-    pass_: str
-    defs: Dict[str, int]
-    tiles: "compiler.Tiles"
-    head_dim: int
-    dtype: str
-    arch: str
+    Made once per (context, pass kind, dtype, head-dim bucket, mask kind,
+    tuning environment) and kept: a launch then only looks up its kernels
+    and shared-memory sizes.
+    """
+
+    def __init__(self, pass_: str, defs: Dict[str, int], tiles: "compiler.Tiles", head_dim: int, dtype: str,
+                 arch: str) -> None:
+        self.pass_, self.defs, self.tiles = pass_, defs, tiles
+        self.head_dim, self.dtype, self.arch = head_dim, dtype, arch
+        self._smem: Dict[str, int] = {}
+        self._functions: Dict[str, Any] = {}
 
     def smem(self, kernel: str) -> int:
-        return compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_, self.defs)
+        """Dynamic shared memory of ``kernel`` in this variant (bytes)."""
+        n = self._smem.get(kernel)
+        if n is None:
+            n = self._smem[kernel] = compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_,
+                                                         self.defs)
+        return n
 
-    def backward_keys(self) -> int:
-        """Keys per block of the dK/dV kernel."""
-        return compiler.bwd90_keys(self.head_dim) if self.pass_ == "bwd_sm90" else self.tiles.bwd_bc
+    def backward_block(self) -> Tuple[int, int]:
+        """(keys, threads) of one block of the dK/dV kernel."""
+        if self.pass_ == "bwd_sm90":
+            return compiler.bwd90_block(self.defs)
+        return self.tiles.bwd_bc, 32 * compiler.BWD_WARPS
 
     def forward_block(self) -> Tuple[int, int]:
         """(query rows, threads) of one forward block."""
         if self.pass_ == "fwd_sm90":
-            return compiler.FWD90_BR, compiler.FWD90_THREADS
+            wgs = self.defs["FWD_WGS"]
+            return compiler.WG_ROWS * wgs, compiler.WG_THREADS * wgs
         return self.tiles.fwd_br, 32 * self.tiles.fwd_warps
 
-    def function(self, kernel: str, arg_format: str, with_smem: bool = False):
-        return compiler.get_function(self.pass_, self.defs, kernel, arg_format,
-                                     self.smem(kernel) if with_smem else 0)
+    def function(self, kernel: str, arg_format: str):
+        """The prepared kernel, its shared-memory limit raised to :meth:`smem`."""
+        fn = self._functions.get(kernel)
+        if fn is None:
+            fn = self._functions[kernel] = compiler.get_function(self.pass_, self.defs, kernel, arg_format,
+                                                                 self.smem(kernel))
+        return fn
+
+
+_variants: Dict[Tuple, _Variant] = {}
 
 
 def _variant(prob: Problem, kind: str) -> _Variant:
-    """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob``."""
+    """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised)."""
     dt = _kernel_dtype(prob)
-    arch = compiler.arch_of_current_device()
-    hd = compiler.head_dim_bucket(prob.D, dt)
-    pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind)
-    return _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
-                    compiler.tiles(hd, dt, arch), hd, dt, arch)
+    env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
+    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, env)
+    var = _variants.get(key)
+    if var is None:
+        arch = compiler.arch_of_current_device()
+        hd = key[3]
+        pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind)
+        var = _variants[key] = _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
+                                        compiler.tiles(hd, dt, arch), hd, dt, arch)
+    return var
 
 
 def _three(strides) -> Tuple[int, int, int]:
@@ -342,9 +376,7 @@ def run_forward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     var = _variant(prob, "fwd")
-    tiles = var.tiles
-    smem = var.smem("flash_fwd_kernel")
-    fn = var.function("flash_fwd_kernel", _FWD_FORMAT, with_smem=True)
+    fn = var.function("flash_fwd_kernel", _FWD_FORMAT)
     conv = _mask_converter(prob, var)
 
     q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
@@ -366,7 +398,7 @@ def run_forward(prob: Problem, stream=None):
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),
         *_three(lse.strides), *mask.strides,
         np.float32(prob.scale * LOG2E), lo, hi, vec,
-        shared_size=smem,
+        shared_size=var.smem("flash_fwd_kernel"),
     )
     if not prob.on_device:
         _finish_host((out, lse), stream)
@@ -399,13 +431,10 @@ def run_backward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     var = _variant(prob, "bwd")
-    tiles = var.tiles
-    smem_kv = var.smem("flash_bwd_dkdv_kernel")
-    smem_dq = var.smem("flash_bwd_dq_kernel")
     f_pre = var.function("flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT, with_smem=True)
+    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT)
     if prob.deterministic:
-        f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT, with_smem=True)
+        f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT)
     else:
         f_conv = var.function("flash_bwd_convert_dq", _CONVERT_FORMAT)
     conv = _mask_converter(prob, var)
@@ -447,25 +476,26 @@ def run_backward(prob: Problem, stream=None):
             drv.memset_d32(dqacc_ptr, 0, rows * D)
 
     # 2. dK, dV (and dQ by atomics): one block per key tile.
+    keys, threads = var.backward_block()
     f_kv.prepared_async_call(
-        ((Nk + var.backward_keys() - 1) // var.backward_keys(), H, B), (32 * compiler.BWD_WARPS, 1, 1), stream,
+        ((Nk + keys - 1) // keys, H, B), (threads, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dqacc_ptr, dk.ptr, dv.ptr, mask.ptr, kl_ptr,
         Nq, Nk, D,
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
         *_three(dk.strides), *_three(dv.strides), *mask.strides,
         scale_log2, scale, lo, hi, vec,
-        shared_size=smem_kv,
+        shared_size=var.smem("flash_bwd_dkdv_kernel"),
     )
     # 3. dQ: deterministic kernel, or copy of the accumulator.
     if prob.deterministic:
         f_dq.prepared_async_call(
-            ((Nq + tiles.dq_br - 1) // tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
+            ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
             q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dq.ptr, mask.ptr, kl_ptr,
             Nq, Nk, D,
             *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
             *_three(dq.strides), *mask.strides,
             scale_log2, scale, lo, hi, vec,
-            shared_size=smem_dq,
+            shared_size=var.smem("flash_bwd_dq_kernel"),
         )
     else:
         n = rows * D

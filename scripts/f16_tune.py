@@ -48,8 +48,23 @@ CONFIG_SETS = {
         (256, "h256:bwd_br=64", "0"),
     ],
 }
+CONFIG_SETS["r3"] = [
+    (64, "h64:fwd90_bc=64,fwd90_minb=2,bwd90_wgs=3", "1"),
+    (96, "", "1"),
+    (96, "h96:fwd90_bc=32,fwd90_minb=2", "1"),
+    (128, "", "1"),
+    (128, "h128:fwd90_bc=32,fwd90_minb=2", "1"),
+]
+CONFIG_SETS["blocks"] = [
+    (64, "", "1"),
+    (64, "h64:fwd90_wgs=3,bwd90_wgs=3", "1"),
+    (64, "h64:fwd90_bc=64,fwd90_minb=2", "1"),
+    (128, "", "1"),
+]
 CONFIGS = CONFIG_SETS[os.environ.get("F16_TUNE_SET", "family")]
-SHAPES = [(4096, False), (16384, True)]
+# (sequence length, causal) pairs, e.g. F16_TUNE_SHAPES="1024:0,4096:1"
+SHAPES = [(int(n), c == "1") for n, c in (x.split(":") for x in
+                                          os.environ.get("F16_TUNE_SHAPES", "4096:0,16384:1").split(","))]
 SETS = 4
 REPS, ROUNDS = 10, 3
 

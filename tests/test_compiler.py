@@ -38,7 +38,10 @@ def test_hopper_backward_coverage(hopper_on: None) -> None:
             want = "bwd_f16" if (hd, mk) == (128, "float") else "bwd_sm90"
             assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mk) == want
             assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mk) == "fwd_sm90"
-    assert [compiler.bwd90_keys(hd) for hd in compiler.HEAD_DIM_BUCKETS_F16] == [128, 128, 128, 64, 64]
+    blocks = [compiler.bwd90_block(compiler.defines("bwd_sm90", hd, "bool", "float16", "sm_90"))
+              for hd in compiler.HEAD_DIM_BUCKETS_F16]
+    assert blocks == [(128, 256), (128, 256), (128, 256), (64, 256), (64, 256)]
+    assert compiler.bwd90_block(compiler.defines("bwd_sm90", 64, "none", "float16", "sm_90")) == (192, 384)
 
 
 def test_hopper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,12 +65,17 @@ def test_build_arch() -> None:
 
 def test_hopper_defines() -> None:
     d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
-    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128}
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128, "FWD_WGS": 2, "FWD_MINB": 1}
+    # D 64: 64 keys a step, 2 blocks per SM, but one block per SM with a dense
+    # mask (its addressing needs more than 128 registers).
+    assert [compiler.defines("fwd_sm90", 64, mk, "float16", "sm_90")["FWD_MINB"] for mk in ("none", "bool")] == [2, 1]
     # D 256 with a dense mask takes 32 keys a step (registers), 64 without.
     assert compiler.defines("fwd_sm90", 256, "bool", "bfloat16", "sm_90")["BC"] == 32
     assert compiler.defines("fwd_sm90", 256, "none", "bfloat16", "sm_90")["BC"] == 64
     b = compiler.defines("bwd_sm90", 96, "float", "bfloat16", "sm_90")
-    assert b["BWD_SM90"] == 1 and b["ELEM_BF16"] == 1 and b["B90_BR"] == 64
+    assert b["BWD_SM90"] == 1 and b["ELEM_BF16"] == 1 and b["B90_BR"] == 64 and b["B90_WGS"] == 2
+    # D 64 backward: 3 warpgroups (192 keys), 2 with a dense mask.
+    assert [compiler.defines("bwd_sm90", 64, mk, "float16", "sm_90")["B90_WGS"] for mk in ("none", "float")] == [3, 2]
     assert compiler.defines("bwd_sm90", 256, "none", "float16", "sm_90")["HEAD_DIM"] == 256
     with pytest.raises(ValueError):
         compiler.defines("bwd_sm90", 128, "float", "float16", "sm_90")
@@ -105,6 +113,7 @@ def test_hopper_backward_shared_memory() -> None:
         return compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, "bfloat16", "sm_90", "bwd_sm90")
     assert smem(128) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
     assert smem(96) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
+    assert smem(64) == ((2 * 192 + 4 * 64) * 64 + 192 * 64) * 2 + 4 * 64 * 4 + 1024  # 3 warpgroups
     assert smem(256) == ((2 * 64 + 4 * 64) * 256 + 2 * 64 * 64) * 2 + 4 * 64 * 4 + 1024
 
 

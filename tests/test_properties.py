@@ -358,6 +358,8 @@ def test_forward_matches_reference(backend: str, dtype: str, data: Any) -> None:
 def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _skip_float32_repeat(dtype)
     problem = data.draw(PROBLEMS[dtype], label="problem")
+    # The deterministic mode computes dQ by another kernel (no atomics).
+    deterministic = data.draw(st.booleans(), label="deterministic")
     x = make_inputs(problem)
     kw_host = attention_kwargs(problem, x)
     ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
@@ -372,7 +374,7 @@ def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None
     ret = flash_attn_backward(
         dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
         **_device_kwargs(problem, x, backend), dq=dq, dk=dk, dv=dv, backend=backend,
-        **_dtype_kwargs(problem),
+        deterministic=deterministic, **_dtype_kwargs(problem),
     )
     assert ret[0] is dq and ret[1] is dk and ret[2] is dv, "the dq=/dk=/dv= buffers must be returned"
 

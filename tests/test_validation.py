@@ -13,6 +13,7 @@ import ctypes
 import itertools
 import math
 import re
+import sys
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import ml_dtypes
@@ -976,6 +977,50 @@ def test_tensor_requiring_grad_is_read_through_its_detached_view():
     op = as_operand(_GradTensor(inner), "q")
     assert op.kind == "device" and op.ptr == inner.__cuda_array_interface__["data"][0]
     assert isinstance(op.obj, _GradTensor)
+
+
+class _TorchStandIn:
+    """Just enough of a torch module for the tensor fast path of ``as_operand``."""
+
+    class Tensor:
+        """A CUDA tensor whose array interface may not be read."""
+
+        def __init__(self, shape, dtype, strides, ptr, is_cuda=True, layout="strided"):
+            self.shape, self.dtype, self._strides, self._ptr = shape, dtype, strides, ptr
+            self.is_cuda, self.layout = is_cuda, layout
+
+        def stride(self):
+            return self._strides
+
+        def data_ptr(self):
+            return self._ptr
+
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("the fast path must not build the array interface")
+
+    strided = "strided"
+    float32, float16, bfloat16, bool, int32 = "f32", "f16", "bf16", "b1", "i32"
+    complex64 = "c64"
+
+
+def test_torch_tensors_are_read_through_their_accessors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pycudaflash._arrays import as_operand
+
+    torch = _TorchStandIn()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    t = torch.Tensor((2, 3, 5, 8), "bf16", (120, 8, 24, 1), 0x1000)
+    op = as_operand(t, "q")
+    assert (op.kind, op.shape, op.strides, op.ptr, op.obj) == ("device", (2, 3, 5, 8), (120, 8, 24, 1), 0x1000, t)
+    assert op.dtype == np.dtype(ml_dtypes.bfloat16) and not op.read_only
+    assert as_operand(torch.Tensor((4,), "b1", (1,), 0x2000), "mask").dtype == np.bool_
+    # Not on the GPU, not strided, or a dtype outside the table: the generic
+    # path decides (here the stand-in has no usable array interface, so it
+    # rejects them; the good tensor above got through only by the fast path).
+    for bad in (torch.Tensor((4,), "f32", (1,), 0, is_cuda=False), torch.Tensor((4,), "f32", (1,), 0, layout="coo"),
+                torch.Tensor((4,), "c64", (1,), 0x3000)):
+        with pytest.raises(TypeError, match="must be a numpy.ndarray or an object exposing"):
+            as_operand(bad, "q")
 
 
 # --------------------------------------------------------------------------
