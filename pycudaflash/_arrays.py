@@ -309,9 +309,10 @@ def _torch_operand(obj: Any, name: str) -> Optional[Operand]:
         dtype = _torch_dtype_table(torch).get(obj.dtype)
         if dtype is None:
             return None
+        # (torch.Size and stride() are tuples of Python ints already.)
         return Operand(
-            name=name, kind="device", obj=obj, shape=tuple(int(n) for n in obj.shape),
-            strides=tuple(int(st) for st in obj.stride()), dtype=dtype, ptr=int(obj.data_ptr()), array=None,
+            name=name, kind="device", obj=obj, shape=tuple(obj.shape), strides=tuple(obj.stride()),
+            dtype=dtype, ptr=int(obj.data_ptr()), array=None,
         )
     except Exception:
         return None
