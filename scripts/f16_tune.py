@@ -48,18 +48,19 @@ CONFIG_SETS = {
         (256, "h256:bwd_br=64", "0"),
     ],
 }
-CONFIG_SETS["r3"] = [
-    (64, "h64:fwd90_bc=64,fwd90_minb=2,bwd90_wgs=3", "1"),
+# Hopper block shapes: warpgroups per block (fwd90_wgs, bwd90_wgs), keys a
+# forward step (fwd90_bc) and blocks per SM the forward's registers allow
+# (fwd90_minb; 2 means at most 128 registers).  The defaults are the first
+# entry of each head dim.
+CONFIG_SETS["blocks"] = [
+    (64, "", "1"),
+    (64, "h64:fwd90_bc=128,fwd90_minb=1,bwd90_wgs=2", "1"),
+    (64, "h64:fwd90_wgs=3,fwd90_bc=128,fwd90_minb=1", "1"),
     (96, "", "1"),
     (96, "h96:fwd90_bc=32,fwd90_minb=2", "1"),
     (128, "", "1"),
     (128, "h128:fwd90_bc=32,fwd90_minb=2", "1"),
-]
-CONFIG_SETS["blocks"] = [
-    (64, "", "1"),
-    (64, "h64:fwd90_wgs=3,bwd90_wgs=3", "1"),
-    (64, "h64:fwd90_bc=64,fwd90_minb=2", "1"),
-    (128, "", "1"),
+    (128, "h128:fwd90_wgs=3,fwd90_bc=64", "1"),
 ]
 CONFIGS = CONFIG_SETS[os.environ.get("F16_TUNE_SET", "family")]
 # (sequence length, causal) pairs, e.g. F16_TUNE_SHAPES="1024:0,4096:1"
