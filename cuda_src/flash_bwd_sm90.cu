@@ -229,18 +229,28 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         wgmma_hold(sT);
 
         // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
-        const bool need_mask = tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64);
+        // A row that sees no key (Li = -inf) subtracts +inf instead, so that
+        // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
+        // that an unmasked tile pays one FFMA per score and no mask tests.
+        if (tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64)) {
 #pragma unroll
-        for (int n = 0; n < B90_BR / 8; ++n)
+            for (int n = 0; n < B90_BR / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = 8 * n + 2 * t + (e & 1);
-                const float l2 = Li[row];
-                const float x = need_mask ? masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
-                                                         k0 + key_w + 8 * (e >> 1))
-                                          : sT[4 * n + e] * scale_log2;
-                sT[4 * n + e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int row = 8 * n + 2 * t + (e & 1);
+                    const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                    sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
+                                                           k0 + key_w + 8 * (e >> 1)) - base);
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                    sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
+                }
+        }
         wgmma_wait<0>();  // dPij^T is done
         wgmma_hold(dpT);
 

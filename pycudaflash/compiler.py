@@ -81,6 +81,8 @@ def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
     if kind == "fwd":
         return True
     return not (head_dim == 128 and mask_kind == "float")
+
+
 #: Input dtypes the kernels implement.
 DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims are padded up to one of these (kernels specialise on the bucket).
@@ -101,18 +103,21 @@ HALF_BYTES = 2
 
 
 def pass_name(kind: str, dtype: str, arch: Optional[str] = None, head_dim: Optional[int] = None,
-              mask_kind: str = "none") -> str:
+              mask_kind: str = "none", hopper: Optional[bool] = None) -> str:
     """Pass for ``kind`` ('fwd' or 'bwd'), an input dtype name and an architecture.
 
     On Hopper (``arch`` in :data:`HOPPER_ARCHES`) the 16-bit passes with a
     wgmma version use it where it covers the head-dim bucket and mask kind
-    (:func:`hopper_serves`), unless ``$PYCUDAFLASH_WGMMA`` is ``0``.
+    (:func:`hopper_serves`), unless ``hopper`` is False (default:
+    ``$PYCUDAFLASH_WGMMA``, see :func:`use_hopper_kernels`).
     """
     if dtype not in DTYPES:
         raise ValueError(f"no kernels for dtype {dtype!r}")
     if dtype == "float32":
         return kind
-    if (arch in HOPPER_ARCHES and kind in HOPPER_PASSES and use_hopper_kernels()
+    if hopper is None:
+        hopper = use_hopper_kernels()
+    if (arch in HOPPER_ARCHES and kind in HOPPER_PASSES and hopper
             and (head_dim is None or hopper_serves(kind, head_dim, mask_kind))):
         return HOPPER_PASSES[kind]
     return f"{kind}_f16"
@@ -276,16 +281,15 @@ def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optiona
     the head dim (the Hopper forward's key tile also on the mask kind).
     """
     t = tiles(head_dim, dtype, arch)
+    hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS  # head dim as the swizzled Hopper tiles store it
     if pass_ == "fwd_sm90":
         if kernel != "flash_fwd_kernel":
             return 0
         defs = defs or defines(pass_, head_dim, "none", dtype, arch)
-        hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
         return (WG_ROWS * defs["FWD_WGS"] + 4 * defs["BC"]) * hdp * HALF_BYTES + SMEM_ALIGN
     if pass_ == "bwd_sm90" and kernel == "flash_bwd_dkdv_kernel":
         defs = defs or defines(pass_, head_dim, "none", dtype, arch)
         br, bc = defs["B90_BR"], bwd90_block(defs)[0]
-        hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS
         # Kj, Vj; Qi, dOi x 2 stages; dSij^T (or Pij and dSij above 128); Li, Di x 2 stages.
         tiles_ps = 1 if head_dim <= 128 else 2
         return (((2 * bc + 4 * br) * hdp + tiles_ps * bc * br) * HALF_BYTES + 4 * br * FLOAT_BYTES
@@ -361,13 +365,12 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -
     arch = arch or "sm_90"
     for dtype in dtypes:
         for kind in ("fwd", "bwd"):
-            passes = [kind if dtype == "float32" else f"{kind}_f16"]
-            if dtype != "float32" and arch in HOPPER_ARCHES and kind in HOPPER_PASSES:
-                passes.append(HOPPER_PASSES[kind])
-            for pass_ in passes:
+            for hopper in (False, True):
                 for hd in buckets(dtype):
                     for mk in MASK_MODES:
-                        if pass_ in PASS_ARCH and not hopper_serves(kind, hd, mk):
+                        pass_ = pass_name(kind, dtype, arch, hd, mk, hopper=hopper)
+                        # (without a Hopper version, both settings name the same pass)
+                        if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False):
                             continue
                         yield pass_, defines(pass_, hd, mk, dtype, arch)
 
