@@ -180,6 +180,10 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     const u32 kw_addr = k_addr + 64 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 64 * wg * SWZ_ROW_BYTES;
     constexpr u32 QD_STAGE_BYTES = B90_BR * HDP * 2;
     const int key_w = 64 * wg + 16 * warp_in_wg + g;  // this thread's first key in the tile (and key_w + 8)
+    // Whether any of this warpgroup's 64 keys is below the key length (the
+    // last key tile of a sequence may be partly empty: its empty warpgroups
+    // skip their products and only take part in dQi and the barriers).
+    const bool wg_live = k0 + 64 * wg < mp.kl;
 
     float dv[KV_REGS], dk[KV_REGS];
 #pragma unroll
@@ -218,78 +222,86 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
         const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
 
-        // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
-        float sT[ST_REGS], dpT[ST_REGS];
-        wgmma_fence();
-        issue_kmajor<B90_BC, B90_BR>(sT, kw_addr, q_addr);
-        wgmma_commit();
-        issue_kmajor<B90_BC, B90_BR>(dpT, vw_addr, do_addr);
-        wgmma_commit();
-        wgmma_wait<1>();  // Sij^T is done (dPij^T may still run)
-        wgmma_hold(sT);
-
-        // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
-        // A row that sees no key (Li = -inf) subtracts +inf instead, so that
-        // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
-        // that an unmasked tile pays one FFMA per score and no mask tests.
-        if (tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64)) {
-#pragma unroll
-            for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = 8 * n + 2 * t + (e & 1);
-                    const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                    sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
-                                                           k0 + key_w + 8 * (e >> 1)) - base);
-                }
-        } else {
-#pragma unroll
-            for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                    sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
-                }
-        }
-        wgmma_wait<0>();  // dPij^T is done
-        wgmma_hold(dpT);
-
-        // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
-        // (k step kk = query rows 16kk..16kk+15).
         u32 pT[B90_BR / 16][4], dsT[B90_BR / 16][4];
-#pragma unroll
-        for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
-#pragma unroll
-        for (int kk = 0; kk < B90_BR / 16; ++kk) {
-            pT[kk][0] = pack2(sT[8 * kk + 0], sT[8 * kk + 1]);
-            pT[kk][1] = pack2(sT[8 * kk + 2], sT[8 * kk + 3]);
-            pT[kk][2] = pack2(sT[8 * kk + 4], sT[8 * kk + 5]);
-            pT[kk][3] = pack2(sT[8 * kk + 6], sT[8 * kk + 7]);
-            dsT[kk][0] = pack2(dpT[8 * kk + 0], dpT[8 * kk + 1]);
-            dsT[kk][1] = pack2(dpT[8 * kk + 2], dpT[8 * kk + 3]);
-            dsT[kk][2] = pack2(dpT[8 * kk + 4], dpT[8 * kk + 5]);
-            dsT[kk][3] = pack2(dpT[8 * kk + 6], dpT[8 * kk + 7]);
-        }
+        if (wg_live) {
+            // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
+            float sT[ST_REGS], dpT[ST_REGS];
+            wgmma_fence();
+            issue_kmajor<B90_BC, B90_BR>(sT, kw_addr, q_addr);
+            wgmma_commit();
+            issue_kmajor<B90_BC, B90_BR>(dpT, vw_addr, do_addr);
+            wgmma_commit();
+            wgmma_wait<1>();  // Sij^T is done (dPij^T may still run)
+            wgmma_hold(sT);
 
-        // dVj += Pij^T dOi, dKj += dSij^T Qi (dOi, Qi as MN-major B operands).
-        wgmma_fence();
-        issue_rows(dv, pT, do_addr);
-        issue_rows(dk, dsT, q_addr);
-        wgmma_commit();
+            // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
+            // A row that sees no key (Li = -inf) subtracts +inf instead, so that
+            // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
+            // that an unmasked tile pays one FFMA per score and no mask tests.
+            if (tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64)) {
+#pragma unroll
+                for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = 8 * n + 2 * t + (e & 1);
+                        const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
+                                                               k0 + key_w + 8 * (e >> 1)) - base);
+                    }
+            } else {
+#pragma unroll
+                for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                        sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
+                    }
+            }
+            wgmma_wait<0>();  // dPij^T is done
+            wgmma_hold(dpT);
+
+            // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
+            // (k step kk = query rows 16kk..16kk+15).
+#pragma unroll
+            for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
+#pragma unroll
+            for (int kk = 0; kk < B90_BR / 16; ++kk) {
+                pT[kk][0] = pack2(sT[8 * kk + 0], sT[8 * kk + 1]);
+                pT[kk][1] = pack2(sT[8 * kk + 2], sT[8 * kk + 3]);
+                pT[kk][2] = pack2(sT[8 * kk + 4], sT[8 * kk + 5]);
+                pT[kk][3] = pack2(sT[8 * kk + 6], sT[8 * kk + 7]);
+                dsT[kk][0] = pack2(dpT[8 * kk + 0], dpT[8 * kk + 1]);
+                dsT[kk][1] = pack2(dpT[8 * kk + 2], dpT[8 * kk + 3]);
+                dsT[kk][2] = pack2(dpT[8 * kk + 4], dpT[8 * kk + 5]);
+                dsT[kk][3] = pack2(dpT[8 * kk + 6], dpT[8 * kk + 7]);
+            }
+
+            // dVj += Pij^T dOi, dKj += dSij^T Qi (dOi, Qi as MN-major B operands).
+            wgmma_fence();
+            issue_rows(dv, pT, do_addr);
+            issue_rows(dk, dsT, q_addr);
+            wgmma_commit();
+        }
 
         if (dQacc != nullptr) {
-            // dSij^T into shared memory (row pairs of one key as 32-bit stores).
+            // dSij^T into shared memory (row pairs of one key as 32-bit
+            // stores).  A warpgroup without keys below the key length writes
+            // zeros once: its rows stay zero for dQi.
+            if (wg_live || it == 0) {
 #pragma unroll
-            for (int kk = 0; kk < B90_BR / 16; ++kk)
+                for (int kk = 0; kk < B90_BR / 16; ++kk)
 #pragma unroll
-                for (int half = 0; half < 2; ++half)
+                    for (int half = 0; half < 2; ++half)
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = 16 * kk + 8 * half + 2 * t;
-                        *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) = dsT[kk][2 * half + r];
-                    }
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = 16 * kk + 8 * half + 2 * t;
+                            *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) =
+                                wg_live ? dsT[kk][2 * half + r] : 0u;
+                        }
+            }
             fence_proxy_async();
             // dSij^T of both warpgroups is visible to the tensor cores.
             __syncthreads();
