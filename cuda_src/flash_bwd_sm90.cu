@@ -183,7 +183,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     // Whether any of this warpgroup's 64 keys is below the key length (the
     // last key tile of a sequence may be partly empty: its empty warpgroups
     // skip their products and only take part in dQi and the barriers).
-    const bool wg_live = k0 + 64 * wg < mp.kl;
+    const bool wg_live = k0 + 64 * wg <= k_last;
 
     float dv[KV_REGS], dk[KV_REGS];
 #pragma unroll
@@ -200,6 +200,26 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
             cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + row_base + i0 + tid : Dvec, ok);
         }
     };
+
+    // dSij^T rows of this thread's keys in shared memory, for dQi.
+    auto store_dsT = [&](const u32 (&ds)[B90_BR / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < B90_BR / 16; ++kk)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = 16 * kk + 8 * half + 2 * t;
+                    *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) = ds[kk][2 * half + r];
+                }
+    };
+    if (!wg_live && dQacc != nullptr) {
+        // A warpgroup without keys below the key length adds nothing to dQi:
+        // its rows of dSij^T are zero for the whole query loop (the loop's
+        // first barrier publishes them).
+        const u32 zero[B90_BR / 16][4] = {};
+        store_dsT(zero);
+    }
 
     if (n_q > 0) {
         load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
@@ -288,20 +308,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
         if (dQacc != nullptr) {
             // dSij^T into shared memory (row pairs of one key as 32-bit
-            // stores).  A warpgroup without keys below the key length writes
-            // zeros once: its rows stay zero for dQi.
-            if (wg_live || it == 0) {
-#pragma unroll
-                for (int kk = 0; kk < B90_BR / 16; ++kk)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-#pragma unroll
-                        for (int r = 0; r < 2; ++r) {
-                            const int row = 16 * kk + 8 * half + 2 * t;
-                            *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) =
-                                wg_live ? dsT[kk][2 * half + r] : 0u;
-                        }
-            }
+            // stores); an empty warpgroup's rows are zero from the start.
+            if (wg_live) store_dsT(dsT);
             fence_proxy_async();
             // dSij^T of both warpgroups is visible to the tensor cores.
             __syncthreads();

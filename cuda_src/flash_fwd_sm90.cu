@@ -60,6 +60,11 @@
 #ifndef FWD_WGS
 #define FWD_WGS 2  // warpgroups of 64 query rows each
 #endif
+// Persistent blocks: a block runs jobs until none are left, loading the next
+// job's first tiles under the current one's last product (see the kernel).
+#ifndef FWD_PERSIST
+#define FWD_PERSIST 0
+#endif
 #ifndef FWD_MINB
 #define FWD_MINB 1  // blocks per SM the registers must allow
 #endif
@@ -169,14 +174,56 @@ __device__ __forceinline__ void hold_p(u32 (&p)[BC / 16][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
 }
 
+// One job: query tile q0..q0+Br-1 of (batch b, head h) and the key tiles
+// [tc_begin, tc_begin + n_tiles) that any of its rows may see.
+struct FwdJob {
+    int b, h, q0, kl, tc_begin, n_tiles;
+};
+
+// Job `job` of the work list: query tile fastest (the tiles of one head run
+// side by side and share its Kj, Vj in L2), and within a head the last tile
+// first (under a causal mask it is the longest).
+__device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int Nk, const int *key_lengths,
+                                          int band_lo, int band_hi) {
+    FwdJob jb;
+#if FWD_PERSIST
+    const int bh = job / n_qt;
+    jb.q0 = (n_qt - 1 - (job - bh * n_qt)) * BR;
+    jb.h = bh % H;
+    jb.b = bh / H;
+#else
+    // One job per block, grid (Tr, H, B): the same order, and indices the
+    // compiler can read again instead of keeping them in registers.
+    jb.q0 = (gridDim.x - 1 - blockIdx.x) * BR;
+    jb.h = blockIdx.y;
+    jb.b = blockIdx.z;
+#endif
+    jb.kl = key_lengths ? min(max(key_lengths[jb.b], 0), Nk) : Nk;
+    const int q_last = min(jb.q0 + BR, Nq) - 1;
+    const int j_begin = max(0, jb.q0 + band_lo);
+    const int j_end = min(jb.kl, q_last + band_hi + 1);
+    jb.tc_begin = j_begin / BC;
+    jb.n_tiles = (j_end > j_begin) ? (j_end + BC - 1) / BC - jb.tc_begin : 0;
+    return jb;
+}
+
+// Grid: gridDim.x blocks work through n_jobs jobs (n_jobs = Tr * H * B).
+// Block x starts with job x.  Without `sched` its next job is the current
+// one + gridDim.x (one job per block when the grid covers the list); with
+// `sched` (two ints, zero before the launch) it takes the next free job from
+// the counter sched[0], so that blocks with short jobs take more of them,
+// and the last block to finish sets both ints back to zero.  A block with a
+// next job loads that job's Qi, K0, V0 and K1 under its current job's last
+// Pij Vj and output.
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
                  i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                  i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
-                 int band_lo, int band_hi, int vec) {
+                 int band_lo, int band_hi, int vec, int H, int n_jobs, int *__restrict__ sched) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int next_job[2];  // a block's next job, alternate jobs in alternate slots
     unsigned char *smem = swizzle_base(smem_raw);
     elem_t *Qi = reinterpret_cast<elem_t *>(smem);  // [HD_ATOMS][BR][64]
     elem_t *Ks = Qi + BR * HDP;                      // [2][HD_ATOMS][BC][64]
@@ -185,134 +232,181 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z;
-    // Launch the last query tiles first: under a causal mask they are the longest.
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
+    const int n_qt = (Nq + BR - 1) / BR;
 
     MaskParams mp;
     mp.mask = mask;
     mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
     mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
     mp.nq = Nq;
-    const char *mask_bh = mask_head_base(mp, b, h);
-
-    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const elem_t *Kg = K + (i64)b * k_sb + (i64)h * k_sh;
-    const elem_t *Vg = V + (i64)b * v_sb + (i64)h * v_sh;
-
-    // Keys any row of this tile may see: [j_begin, j_end).
-    const int q_last = min(q0 + BR, Nq) - 1;
-    const int j_begin = max(0, q0 + band_lo);
-    const int j_end = min(mp.kl, q_last + band_hi + 1);
-    const int tc_begin = j_begin / BC;
-    const int tc_end = (j_end > j_begin) ? (j_end + BC - 1) / BC : tc_begin;
 
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
-    float o_acc[O_REGS];
-#pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
-    float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};  // running row max (log2 units), row sum
-
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
     const u32 q_addr = smem_addr(Qi) + 64 * wg * SWZ_ROW_BYTES;
     const u32 k_addr0 = smem_addr(Ks), v_addr0 = smem_addr(Vs);
     constexpr u32 KV_STAGE_BYTES = BC * HDP * 2;
 
-    // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step j
-    // issues Sj = Qi Kj^T and O += P(j-1) V(j-1) together, runs the softmax of
-    // Sj while the second product is still on the tensor cores, then rescales
-    // Oi.  Loads run one step ahead: during step j, K(j+1) and Vj.
-    const int n_tiles = tc_end - tc_begin;
-    float s[S_REGS];
-    u32 p[BC / 16][4];
-    if (n_tiles > 0) {
-        // Prologue: Qi and K0 as one group; V0 and K1 as the next.
-        load_tile_swz<BR, FWD_THREADS>(Qi, Qg, q_sn, q0, Nq, D, vec, tid);
-        load_tile_swz<BC, FWD_THREADS>(Ks, Kg, k_sn, tc_begin * BC, Nk, D, vec, tid);
+    // A job's first loads, as two groups: Qi and K0; V0 and K1.  K and V
+    // tile j of the job go to stage (sb + j) % 2.
+    auto load_first = [&](const elem_t *Qg, const elem_t *Kg, const elem_t *Vg, const FwdJob &jb, int sb) {
+        load_tile_swz<BR, FWD_THREADS>(Qi, Qg, q_sn, jb.q0, Nq, D, vec, tid);
+        load_tile_swz<BC, FWD_THREADS>(Ks + sb * BC * HDP, Kg, k_sn, jb.tc_begin * BC, Nk, D, vec, tid);
         cp_async_commit();
-        load_tile_swz<BC, FWD_THREADS>(Vs, Vg, v_sn, tc_begin * BC, Nk, D, vec, tid);
-        if (n_tiles > 1)
-            load_tile_swz<BC, FWD_THREADS>(Ks + BC * HDP, Kg, k_sn, (tc_begin + 1) * BC, Nk, D, vec, tid);
+        load_tile_swz<BC, FWD_THREADS>(Vs + sb * BC * HDP, Vg, v_sn, jb.tc_begin * BC, Nk, D, vec, tid);
+        if (jb.n_tiles > 1)
+            load_tile_swz<BC, FWD_THREADS>(Ks + (sb ^ 1) * BC * HDP, Kg, k_sn, (jb.tc_begin + 1) * BC, Nk, D, vec,
+                                           tid);
         cp_async_commit();
-        cp_async_wait<1>();  // this thread's Qi and K0 have landed
-        fence_proxy_async();
-        // Every thread's Qi and K0 are visible to the tensor cores.
-        __syncthreads();
-        wgmma_fence();
-        issue_s(s, q_addr, k_addr0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(s);
-        float alpha[2];  // (Oi is still 0: nothing to rescale)
-        softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), scale_log2, mp, mask_bh,
-                     q0 + row_w + g, tc_begin * BC + 2 * t);
-        pack_p(p, s);
-    }
-    for (int j = 1; j < n_tiles; ++j) {
-        const int k0 = (tc_begin + j) * BC;
-        cp_async_wait<0>();  // this thread's Kj and V(j-1) have landed
-        fence_proxy_async();
-        // Every thread's Kj and V(j-1) are visible to the tensor cores; every
-        // warpgroup is done with S(j-1) (K stage (j+1)%2) and with
-        // P(j-2) V(j-2) (V stage j%2), so the next loads may overwrite them.
-        __syncthreads();
-        if (j + 1 < n_tiles)
-            load_tile_swz<BC, FWD_THREADS>(Ks + ((j + 1) & 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
-        load_tile_swz<BC, FWD_THREADS>(Vs + (j & 1) * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
-        cp_async_commit();
+    };
 
-        wgmma_fence();
-        issue_s(s, q_addr, k_addr0 + (j & 1) * KV_STAGE_BYTES);  // Sj = Qi Kj^T
-        wgmma_commit();
-        issue_pv(o_acc, p, v_addr0 + ((j - 1) & 1) * KV_STAGE_BYTES);  // Oi += P(j-1) V(j-1)
-        wgmma_commit();
-#if FWD_OVERLAP
-        wgmma_wait<1>();  // Sj is done; P(j-1) V(j-1) may still run
+    bool loaded = false;  // this job's first loads are already on their way
+    int sb = 0;           // stage of this job's first K and V tile
+    int job = FWD_PERSIST ? blockIdx.x : 0;
+#if FWD_PERSIST
+    for (int round = 0; job < n_jobs; ++round)
 #else
-        wgmma_wait<0>();  // both are done (P(j-1)'s registers free for the softmax)
-        hold_p(p);
+    const int round = 0;
 #endif
-        wgmma_hold(s);
-        float alpha[2];
-        softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), scale_log2, mp, mask_bh,
-                     q0 + row_w + g, k0 + 2 * t);
-        wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
-        wgmma_hold(o_acc);
-        hold_p(p);
-        rescale(o_acc, alpha);
-        pack_p(p, s);
-    }
-    if (n_tiles > 0) {
-        cp_async_wait<0>();  // this thread's last V has landed
-        fence_proxy_async();
-        // Every thread's last V is visible to the tensor cores.
-        __syncthreads();
-        wgmma_fence();
-        issue_pv(o_acc, p, v_addr0 + ((n_tiles - 1) & 1) * KV_STAGE_BYTES);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(o_acc);
-        hold_p(p);
+    {
+        // Claim the next job early; the barrier before its use publishes it.
+        if (FWD_PERSIST && sched != nullptr && tid == 0)
+            next_job[round & 1] = (int)gridDim.x + atomicAdd(sched, 1);
+        const FwdJob jb = fwd_job(job, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi);
+        mp.kl = jb.kl;
+        const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
+        const elem_t *Qg = Q + (i64)jb.b * q_sb + (i64)jb.h * q_sh;
+        const elem_t *Kg = K + (i64)jb.b * k_sb + (i64)jb.h * k_sh;
+        const elem_t *Vg = V + (i64)jb.b * v_sb + (i64)jb.h * v_sh;
+        const int q0 = jb.q0, tc_begin = jb.tc_begin, n_tiles = jb.n_tiles;
+
+        float o_acc[O_REGS];
+#pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
+        float m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {0.f, 0.f};  // running row max (log2 units), row sum
+
+        // Software pipeline (FlashAttention-3's intra-warpgroup overlap): step j
+        // issues Sj = Qi Kj^T and O += P(j-1) V(j-1) together, runs the softmax of
+        // Sj while the second product is still on the tensor cores, then rescales
+        // Oi.  Loads run one step ahead: during step j, K(j+1) and Vj.
+        float s[S_REGS];
+        u32 p[BC / 16][4];
+        if (n_tiles > 0) {
+            if (!loaded) load_first(Qg, Kg, Vg, jb, sb);
+            cp_async_wait<1>();  // this thread's Qi and K0 have landed
+            fence_proxy_async();
+            // Every thread's Qi and K0 are visible to the tensor cores.
+            __syncthreads();
+            wgmma_fence();
+            issue_s(s, q_addr, k_addr0 + sb * KV_STAGE_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            float alpha[2];  // (Oi is still 0: nothing to rescale)
+            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), scale_log2, mp,
+                         mask_bh, q0 + row_w + g, tc_begin * BC + 2 * t);
+            pack_p(p, s);
+        }
+        for (int j = 1; j < n_tiles; ++j) {
+            const int k0 = (tc_begin + j) * BC;
+            const int st = (sb + j) & 1;  // stage of Kj (and of Vj, loaded now)
+            cp_async_wait<0>();           // this thread's Kj and V(j-1) have landed
+            fence_proxy_async();
+            // Every thread's Kj and V(j-1) are visible to the tensor cores; every
+            // warpgroup is done with S(j-1) (K stage of j+1) and with
+            // P(j-2) V(j-2) (V stage of j), so the next loads may overwrite them.
+            __syncthreads();
+            if (j + 1 < n_tiles)
+                load_tile_swz<BC, FWD_THREADS>(Ks + (st ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
+            load_tile_swz<BC, FWD_THREADS>(Vs + st * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
+            cp_async_commit();
+
+            wgmma_fence();
+            issue_s(s, q_addr, k_addr0 + st * KV_STAGE_BYTES);  // Sj = Qi Kj^T
+            wgmma_commit();
+            issue_pv(o_acc, p, v_addr0 + (st ^ 1) * KV_STAGE_BYTES);  // Oi += P(j-1) V(j-1)
+            wgmma_commit();
+#if FWD_OVERLAP
+            wgmma_wait<1>();  // Sj is done; P(j-1) V(j-1) may still run
+#else
+            wgmma_wait<0>();  // both are done (P(j-1)'s registers free for the softmax)
+            hold_p(p);
+#endif
+            wgmma_hold(s);
+            float alpha[2];
+            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), scale_log2, mp, mask_bh,
+                         q0 + row_w + g, k0 + 2 * t);
+            wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
+            wgmma_hold(o_acc);
+            hold_p(p);
+            rescale(o_acc, alpha);
+            pack_p(p, s);
+        }
+        // The next job (none without FWD_PERSIST: one job per block).
+        int next = FWD_PERSIST ? job + (int)gridDim.x : n_jobs;
+        if (n_tiles > 0) {
+            cp_async_wait<0>();  // this thread's last V has landed
+            fence_proxy_async();
+            // Every thread's last V is visible to the tensor cores; every
+            // warpgroup is done with Qi, both K stages and the other V stage
+            // (the next job's loads may overwrite them); next_job is written.
+            __syncthreads();
+            if (FWD_PERSIST && sched != nullptr) next = next_job[round & 1];
+            const int last = (sb + n_tiles - 1) & 1;  // stage of the last V
+#if FWD_PERSIST
+            sb = last ^ 1;
+            loaded = false;
+            if (next < n_jobs) {
+                const FwdJob nb = fwd_job(next, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi);
+                loaded = nb.n_tiles > 0;
+                if (loaded)  // under the last product and the output
+                    load_first(Q + (i64)nb.b * q_sb + (i64)nb.h * q_sh, K + (i64)nb.b * k_sb + (i64)nb.h * k_sh,
+                               V + (i64)nb.b * v_sb + (i64)nb.h * v_sh, nb, sb);
+            }
+#endif
+            wgmma_fence();
+            issue_pv(o_acc, p, v_addr0 + last * KV_STAGE_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(o_acc);
+            hold_p(p);
+        } else {
+            loaded = false;
+            if (FWD_PERSIST && sched != nullptr) {
+                // next_job is written.
+                __syncthreads();
+                next = next_job[round & 1];
+            }
+        }
+
+        // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
+        elem_t *Og = O + (i64)jb.b * o_sb + (i64)jb.h * o_sh;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_i[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
+            const int i = q0 + row_w + g + 8 * r;
+            if (i < Nq) {
+                elem_t *orow = Og + (i64)i * o_sn;
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n)
+                    store_pair(orow, 8 * n + 2 * t, D, o_acc[4 * n + 2 * r] * inv_l,
+                               o_acc[4 * n + 2 * r + 1] * inv_l, vec);
+                if (t == 0)
+                    LSE[(i64)jb.b * l_sb + (i64)jb.h * l_sh + (i64)i * l_sn] =
+                        (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
+            }
+        }
+        job = next;
     }
 
-    // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
-    elem_t *Og = O + (i64)b * o_sb + (i64)h * o_sh;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_i[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
-        const int i = q0 + row_w + g + 8 * r;
-        if (i < Nq) {
-            elem_t *orow = Og + (i64)i * o_sn;
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n)
-                store_pair(orow, 8 * n + 2 * t, D, o_acc[4 * n + 2 * r] * inv_l, o_acc[4 * n + 2 * r + 1] * inv_l,
-                           vec);
-            if (t == 0)
-                LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] = (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
+    // The last block to finish leaves the job counter at zero for the next launch.
+    if (FWD_PERSIST && sched != nullptr && tid == 0) {
+        __threadfence();  // this block's claims come before its count
+        if (atomicAdd(sched + 1, 1) == (int)gridDim.x - 1) {
+            sched[0] = 0;
+            sched[1] = 0;
         }
     }
 }

@@ -182,6 +182,10 @@ class Tiles:
     fwd90_bc: int = 0  # keys per step of the Hopper forward (0: not used here)
     fwd90_wgs: int = 2  # warpgroups (of 64 query rows) per block of the Hopper forward
     fwd90_minb: int = 1  # blocks per SM its registers must allow
+    # Hopper forward grid: 0 one block per query tile; 1 or 2 as many blocks
+    # as fit the device at once (persistent), which take jobs in a fixed
+    # order (1) or the next free one from a job counter (2)
+    fwd90_persist: int = 0
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
 
@@ -236,6 +240,9 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             fwd90_bc=64 if head_dim <= 64 else (128 if head_dim <= 128 else 64),
             fwd90_wgs=2,
             fwd90_minb=2 if head_dim <= 64 else 1,
+            # persistent blocks with a job counter where the registers allow
+            # (at head dim 64 and above 128 the loop would spill)
+            fwd90_persist=2 if 64 < head_dim <= 128 else 0,
             bwd90_br=64,
             bwd90_wgs=3 if head_dim <= 64 else 2,
         )
@@ -340,6 +347,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         out["BC"] = min(t.fwd90_bc, 32) if (dense and head_dim > 192) else t.fwd90_bc
         out["FWD_WGS"] = min(t.fwd90_wgs, 2) if dense else t.fwd90_wgs
         out["FWD_MINB"] = 1 if dense else t.fwd90_minb
+        out["FWD_PERSIST"] = int(t.fwd90_persist > 0)
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}")
@@ -469,6 +477,30 @@ def get_module(pass_: str, defs: Dict[str, int]):
             _modules[key] = mod
             compiled_variants.append((pass_, key[2]))
     return mod
+
+
+def resident_blocks(fn, threads: int, smem: int) -> int:
+    """Blocks of the prepared kernel ``fn`` that one SM holds at once.
+
+    The occupancy rules of the current device: registers (allocated per warp
+    in units of 256), shared memory (dynamic ``smem``, static, and what the
+    driver reserves per block), threads and blocks per SM.
+    """
+    import pycuda.driver as drv
+
+    dev = drv.Context.get_device()
+    a = drv.device_attribute
+    warps = -(-threads // 32)
+    regs_per_warp = -(-fn.num_regs * 32 // 256) * 256
+    by_regs = (dev.get_attribute(a.MAX_REGISTERS_PER_MULTIPROCESSOR) // max(regs_per_warp, 1)) // warps
+    per_block = smem + fn.shared_size_bytes + dev.get_attribute(a.RESERVED_SHARED_MEMORY_PER_BLOCK)
+    by_smem = dev.get_attribute(a.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // per_block
+    by_threads = dev.get_attribute(a.MAX_THREADS_PER_MULTIPROCESSOR) // threads
+    n = min(by_regs, by_smem, by_threads, dev.get_attribute(a.MAX_BLOCKS_PER_MULTIPROCESSOR))
+    if n < 1:
+        raise RuntimeError(f"a block of {threads} threads, {fn.num_regs} registers and {per_block} bytes of shared "
+                           "memory does not fit one SM of this device")
+    return n
 
 
 def get_function(pass_: str, defs: Dict[str, int], name: str, arg_format: str, smem: int = 0):

@@ -24,6 +24,7 @@ from .semantics import BAND_UNBOUNDED
 _state = threading.local()
 _primary: Dict[int, Any] = {}
 MAX_GRID_YZ = 65535
+MAX_JOBS = 2**31 - 1 - 2**20  # job indices (int32) stay below 2**31 with a grid of up to 2**20 blocks
 LOG2E = 1.4426950408889634
 
 
@@ -65,6 +66,20 @@ def activate(device: Optional[int] = None):
         _state.pushed = pushed
     _state.last = (_handle(ctx), ctx)
     return ctx
+
+
+_sm_counts: Dict[int, int] = {}
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the current context's device (memoised per context)."""
+    import pycuda.driver as drv
+
+    key = compiler.context_key()
+    n = _sm_counts.get(key)
+    if n is None:
+        n = _sm_counts[key] = drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+    return n
 
 
 def _ordinal_of(dev) -> int:
@@ -142,6 +157,32 @@ def _workspace(stream) -> _Workspace:
     if ws is None:
         ws = _workspaces[key] = _Workspace()
     return ws
+
+
+class _JobCounter:
+    """Two int32 in device memory, zero between launches: the job counter of
+    the persistent Hopper forward and its count of finished blocks (the last
+    block of a launch sets both back to zero).  One per stream, as the
+    workspace: launches on one stream run one after another."""
+
+    def __init__(self) -> None:
+        import pycuda.driver as drv
+
+        self.alloc = drv.mem_alloc(8)
+        drv.memset_d32(self.alloc, 0, 2)
+
+
+_job_counters: Dict[Tuple[int, int], _JobCounter] = {}
+
+
+def _job_counter(stream) -> int:
+    import pycuda.driver as drv
+
+    key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
+    jc = _job_counters.get(key)
+    if jc is None:
+        jc = _job_counters[key] = _JobCounter()
+    return int(jc.alloc)
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -311,6 +352,7 @@ class _Variant:
         self.head_dim, self.dtype, self.arch = head_dim, dtype, arch
         self._smem: Dict[str, int] = {}
         self._functions: Dict[str, Any] = {}
+        self._resident: Dict[str, int] = {}
 
     def smem(self, kernel: str) -> int:
         """Dynamic shared memory of ``kernel`` in this variant (bytes)."""
@@ -332,6 +374,14 @@ class _Variant:
             wgs = self.defs["FWD_WGS"]
             return compiler.WG_ROWS * wgs, compiler.WG_THREADS * wgs
         return self.tiles.fwd_br, 32 * self.tiles.fwd_warps
+
+    def resident_blocks(self, kernel: str, threads: int) -> int:
+        """Blocks of ``kernel`` (prepared by :meth:`function`) one SM holds at once."""
+        n = self._resident.get(kernel)
+        if n is None:
+            n = self._resident[kernel] = compiler.resident_blocks(self._functions[kernel], threads,
+                                                                  self.smem(kernel))
+        return n
 
     def function(self, kernel: str, arg_format: str):
         """The prepared kernel, its shared-memory limit raised to :meth:`smem`."""
@@ -367,6 +417,7 @@ def _three(strides) -> Tuple[int, int, int]:
 # ------------------------------------------------------------------ forward
 
 _FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
+_FWD90_FORMAT = _FWD_FORMAT + "iiP"  # + heads, jobs, job counter
 _MASK_CONVERT_FORMAT = "PP" + "qqq" + "qqqq" + "q"
 
 
@@ -376,7 +427,8 @@ def run_forward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     var = _variant(prob, "fwd")
-    fn = var.function("flash_fwd_kernel", _FWD_FORMAT)
+    hopper = var.pass_ == "fwd_sm90"
+    fn = var.function("flash_fwd_kernel", _FWD90_FORMAT if hopper else _FWD_FORMAT)
     conv = _mask_converter(prob, var)
 
     q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
@@ -391,13 +443,26 @@ def run_forward(prob: Problem, stream=None):
     vec = _vec_ok((q, k, v) if itemsize == 4 else (q, k, v, out), D, itemsize)
     rows, threads = var.forward_block()
     grid = ((Nq + rows - 1) // rows, H, B)
+    extra = ()
+    if hopper:
+        # Jobs: query tiles of every (batch, head).  Persistent blocks take
+        # them in order or from the job counter; otherwise one block each.
+        jobs = grid[0] * H * B
+        counter = 0
+        if var.defs["FWD_PERSIST"]:
+            if jobs > MAX_JOBS:
+                raise ValueError(f"B * H * ceil(Nq / {rows}) must be <= {MAX_JOBS} on the CUDA backend, got {jobs}")
+            if var.tiles.fwd90_persist == 2:
+                counter = _job_counter(stream)
+            grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)
+        extra = (H, jobs, counter)
     fn.prepared_async_call(
         grid, (threads, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
         Nq, Nk, D,
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),
         *_three(lse.strides), *mask.strides,
-        np.float32(prob.scale * LOG2E), lo, hi, vec,
+        np.float32(prob.scale * LOG2E), lo, hi, vec, *extra,
         shared_size=var.smem("flash_fwd_kernel"),
     )
     if not prob.on_device:

@@ -69,3 +69,15 @@ def test_spill_parser_detects_spills():
            "ptxas info    : Used 255 registers, used 1 barriers\n")
     regs, spills, stack = compiler.parse_ptxas(log)
     assert regs == {"k": 255} and spills == {"k": (8, 4)} and stack == {"k": 16}
+
+
+# ptxas notes that it serialised the warpgroup MMAs or had to insert
+# warpgroup arrives (divergent control flow or registers around wgmma): the
+# Hopper kernels then lose their overlap of products and softmax.
+_WGMMA_NOTES = ("(C7510)", "(C7511)", "(C7515)", "(C7519)", "(C7520)", "wgmma.mma_async instructions are serialized")
+
+
+def test_no_wgmma_serialisation(builds):
+    bad = [f"{_label(r)}: {line.strip()}" for r in builds if r.arch == "sm_90a"
+           for line in r.log.splitlines() if any(n in line for n in _WGMMA_NOTES)]
+    assert not bad, "ptxas serialised wgmma:\n" + "\n".join(bad)

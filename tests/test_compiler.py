@@ -65,7 +65,11 @@ def test_build_arch() -> None:
 
 def test_hopper_defines() -> None:
     d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
-    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128, "FWD_WGS": 2, "FWD_MINB": 1}
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128, "FWD_WGS": 2, "FWD_MINB": 1,
+                 "FWD_PERSIST": 1}
+    # Persistent forward blocks only where the job loop fits the registers.
+    assert [compiler.defines("fwd_sm90", hd, "none", "float16", "sm_90")["FWD_PERSIST"]
+            for hd in (64, 96, 128, 192, 256)] == [0, 1, 1, 0, 0]
     # D 64: 64 keys a step, 2 blocks per SM, but one block per SM with a dense
     # mask (its addressing needs more than 128 registers).
     assert [compiler.defines("fwd_sm90", 64, mk, "float16", "sm_90")["FWD_MINB"] for mk in ("none", "bool")] == [2, 1]

@@ -477,6 +477,63 @@ def test_two_streams_match_single_runs(cuda: None) -> None:
             assert ba == bt, f"problem {i}: {name} differs when run concurrently on two streams"
 
 
+_PERSISTENT_PROBLEMS = (
+    AttentionProblem(B=3, H=5, Nq=1000, Nk=1000, D=128, dtype="float16", causal=True, seed=23),
+    AttentionProblem(B=2, H=3, Nq=257, Nk=513, D=100, dtype="bfloat16", causal="bottom_right",
+                     window=(200, None), key_lengths=(0, 300), seed=24),
+)
+
+
+def _forward_on(problem: AttentionProblem, x: Dict[str, Any], stream: Any) -> Tuple[Any, ...]:
+    """Forward of one problem on ``stream`` into poisoned outputs, no sync."""
+    dev = {name: _to_device(x[name]) for name in ("q", "k", "v")}
+    out = _poisoned((problem.B, problem.H, problem.Nq, problem.D), x["q"].dtype, "cuda")
+    lse = _poisoned((problem.B, problem.H, problem.Nq), np.float32, "cuda")
+    flash_attn_forward(dev["q"], dev["k"], dev["v"], **_device_kwargs(problem, x, "cuda"), stream=stream,
+                       out=out, lse=lse, backend="cuda", **_dtype_kwargs(problem))
+    return out, lse, dev
+
+
+@pytest.mark.gpu
+def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward gives the same bytes run after run and on two streams at
+    once, and leaves every job counter of a persistent grid at zero."""
+    import pycuda.driver as drv
+
+    from pycudaflash import cuda_backend
+
+    # The kernels the library picks by default (a session-scoped 'cuda-mma'
+    # run may still have the Hopper kernels switched off).
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    counters_before = len(cuda_backend._job_counters)
+    inputs = [make_inputs(p) for p in _PERSISTENT_PROBLEMS]
+    alone = []
+    for p, x in zip(_PERSISTENT_PROBLEMS, inputs):
+        runs = []
+        for _ in range(3):
+            res = _forward_on(p, x, None)
+            drv.Context.synchronize()
+            runs.append(_bytes(*res[:2]))
+        assert runs[1] == runs[0] and runs[2] == runs[0], f"{p}: forward differs between runs"
+        alone.append(runs[0])
+    streams = [drv.Stream(), drv.Stream()]
+    for _ in range(2):
+        launched = [_forward_on(p, x, s) for p, x, s in zip(_PERSISTENT_PROBLEMS, inputs, streams)]
+        for s in streams:
+            s.synchronize()
+        for p, a, res in zip(_PERSISTENT_PROBLEMS, alone, launched):
+            assert _bytes(*res[:2]) == a, f"{p}: forward differs when run on two streams at once"
+    if compiler.arch_of_current_device() in compiler.HOPPER_ARCHES:
+        # The default stream's counter may come from an earlier test; each
+        # new stream gets its own.
+        assert len(cuda_backend._job_counters) >= max(counters_before, 1) + 2, \
+            "the persistent forward did not use one job counter per stream"
+    for key, jc in cuda_backend._job_counters.items():
+        left = np.full(2, -1, np.int32)
+        drv.memcpy_dtoh(left, jc.alloc)
+        assert not left.any(), f"job counter of {key} left at {left.tolist()} after its launches"
+
+
 @pytest.mark.gpu
 def test_numpy_inputs_run_on_gpu_by_default(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from pycudaflash import cpu
