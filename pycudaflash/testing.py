@@ -388,10 +388,6 @@ def _row_norms(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.sum(x * x, axis=-1))
 
 
-def _rms(x: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(x * x))) if x.size else 0.0
-
-
 def noise_floors(
     q: Any,
     k: Any,
@@ -421,11 +417,13 @@ def noise_floors(
 
     * ``'out'``: ``sqrt(sum_j P_ij^2 v_jd^2)``;
     * ``'dv'``: ``sqrt(sum_i P_ij^2 ||dO_i||^2 / D)``;
-    * ``'dq'``: ``|scale| rms(k) (||dO_i|| sqrt(sum_j P_ij^2 ||v_j||^2 / D)
-      + sqrt(sum_j P_ij^2 D_i^2))``;
-    * ``'dk'``: ``|scale| rms(q) (||v_j|| sqrt(sum_i P_ij^2 ||dO_i||^2 / D)
-      + sqrt(sum_i P_ij^2 D_i^2))``, the second terms for the ``P_ij D_i``
-      part of ``dS_ij``, with ``D_i^2 ~ ||dO_i||^2 ||out_i||^2 / D``;
+    * ``'dq'``: ``|scale| (||dO_i|| sqrt(sum_j P_ij^2 ||v_j||^2 k_jd^2 / D)
+      + sqrt(sum_j P_ij^2 D_i^2 k_jd^2))``;
+    * ``'dk'``: ``|scale| (||v_j|| sqrt(sum_i P_ij^2 ||dO_i||^2 q_id^2 / D)
+      + sqrt(sum_i P_ij^2 D_i^2 q_id^2))``, the second terms for the
+      ``P_ij D_i`` part of ``dS_ij``, with ``D_i^2 ~ ||dO_i||^2 ||out_i||^2 /
+      D``; each element with its own ``k_jd`` or ``q_id`` (a row that sees
+      one key has ``dq_i`` = its rounding error times ``k_j``);
     * ``'lse'``: ``|scale| ||q_i|| max_j ||k_j|| / sqrt(D) + max|bias|``, the
       size of the largest scores.
 
@@ -473,14 +471,17 @@ def noise_floors(
 
     # P^2 = softmax(2S) * c with c_i = exp(lse2_i - 2 lse_i) (0 where no key is seen).
     out64, lse = reference_forward(q64, k64, v64, scale=s, mask=mask, **opts)
-    p2v2, lse2 = reference_forward(q64, k64, v64 * v64, scale=2.0 * s, mask=mask2, **opts)
+    _, lse2 = reference_forward(q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
     seen = np.isfinite(lse)
     c = np.where(seen, np.exp(np.where(seen, lse2, 0.0) - 2.0 * np.where(seen, lse, 0.0)), 0.0)
-    p2v2 = c[..., None] * p2v2  # sum_j P_ij^2 v_jd^2
+
+    def p2_sum(values: np.ndarray) -> np.ndarray:
+        """sum_j P_ij^2 values_jd, (B, H, Nq, D)."""
+        return c[..., None] * reference_forward(q64, k64, values, scale=2.0 * s, mask=mask2, **opts)[0]
 
     kmax_row = np.max(_row_norms(k64), axis=-1, initial=0.0)  # (B, H)
     floors: Dict[str, np.ndarray] = {
-        "out": np.sqrt(p2v2),
+        "out": np.sqrt(p2_sum(v64 * v64)),
         "lse": abs(s) * _row_norms(q64) * kmax_row[..., None] / root_d + bias,
     }
     if dout is None:
@@ -488,22 +489,25 @@ def noise_floors(
 
     do64 = _as_f64(dout)
     do_norm2 = np.sum(do64 * do64, axis=-1)  # ||dO_i||^2
-    # sum_i P_ij^2 ||dO_i||^2: the dv of the doubled problem with rows c_i ||dO_i||^2.
-    weights = np.broadcast_to((c * do_norm2)[..., None], do64.shape)
-    _, _, e = reference_backward(weights, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
-    col = np.maximum(e[..., :1], 0.0)  # (B, H, Nk, 1)
-    row = np.sum(p2v2, axis=-1, keepdims=True)  # sum_j P_ij^2 ||v_j||^2, (B, H, Nq, 1)
     # dS_ij = P_ij (dP_ij - D_i): the D_i terms are as large as the dP_ij terms
     # (they cancel them exactly in a row that sees one key), with the typical
     # size D_i^2 ~ ||dO_i||^2 ||out_i||^2 / D; add their sums too.
     d2 = do_norm2 * np.sum(out64 * out64, axis=-1) / D  # (B, H, Nq)
-    weights = np.broadcast_to((c * d2)[..., None], do64.shape)
-    _, _, e = reference_backward(weights, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
-    col_d = np.maximum(e[..., :1], 0.0)  # sum_i P_ij^2 D_i^2
-    row_d = (c * d2)[..., None]  # sum_j P_ij^2 D_i^2 (sum_j P_ij^2 = c_i)
-    floors["dv"] = np.sqrt(col / D)
-    floors["dq"] = abs(s) * _rms(k64) * (np.sqrt(do_norm2)[..., None] * np.sqrt(row / D) + np.sqrt(row_d))
-    floors["dk"] = abs(s) * _rms(q64) * (_row_norms(v64)[..., None] * np.sqrt(col / D) + np.sqrt(col_d))
+
+    def p2t_sum(weights: np.ndarray) -> np.ndarray:
+        """sum_i P_ij^2 weights_id, (B, H, Nk, D): the dv of the doubled
+        problem with output gradient c_i weights_id."""
+        w = np.broadcast_to(c[..., None] * weights, do64.shape)
+        return np.maximum(reference_backward(w, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)[2], 0.0)
+
+    q2 = q64 * q64
+    k2 = k64 * k64
+    v_norm2 = np.sum(v64 * v64, axis=-1)  # ||v_j||^2
+    floors["dv"] = np.sqrt(p2t_sum(do_norm2[..., None])[..., :1] / D)
+    floors["dq"] = abs(s) * (np.sqrt(do_norm2[..., None] * p2_sum(v_norm2[..., None] * k2) / D)
+                             + np.sqrt(d2[..., None] * p2_sum(k2)))
+    floors["dk"] = abs(s) * (np.sqrt(v_norm2[..., None] * p2t_sum(do_norm2[..., None] * q2) / D)
+                             + np.sqrt(p2t_sum(d2[..., None] * q2)))
     return floors
 
 

@@ -205,3 +205,29 @@ def test_relative_error_values() -> None:
     out = np.array([3.0, 4.5, -np.inf])
     assert relative_error(out, ref) == pytest.approx(0.1)
     assert relative_error(np.array([3.0, 4.0, 0.0]), ref) == math.inf
+
+
+def test_noise_floors_follow_each_key_and_query_entry() -> None:
+    """A row that sees one key has dS = 0 exactly: dq_i is the rounding error
+    of dS_ij times k_j, so its floor must scale with each entry of k_j (and
+    dk_j's with each entry of q_i), not with a typical entry.  The numpy
+    backend's float32 result then passes, even where |k_jd| is 3.4 rms."""
+    from pycudaflash import flash_attn_backward, flash_attn_forward
+    from pycudaflash.reference import reference_backward
+    from pycudaflash.testing import AttentionProblem, attention_kwargs, make_inputs, noise_floors
+
+    p = AttentionProblem(B=1, H=3, Nq=257, Nk=257, D=199, dtype="float32", window=(0, 0), seed=126984627)
+    x = make_inputs(p)
+    kw = attention_kwargs(p, x)
+    floors = noise_floors(x["q"], x["k"], x["v"], x["dout"], **kw)
+    k, q = x["k"].astype(np.float64), x["q"].astype(np.float64)
+    for name, other in (("dq", k), ("dk", q)):
+        ratio = floors[name] / np.abs(other)  # the same within each row
+        spread = ratio.max(axis=-1) / ratio.min(axis=-1)
+        assert np.allclose(spread, 1.0, rtol=1e-9), f"{name} floor is not proportional to the row's entries"
+    out, lse = flash_attn_forward(x["q"], x["k"], x["v"], **kw, backend="numpy")
+    dq, dk, _ = flash_attn_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, **kw, backend="numpy")
+    ref_dq, ref_dk, _ = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw)
+    rtol = 1.1e-6  # the float32 numpy bound of the property suite
+    check("dq", dq, ref_dq, rtol_norm=rtol, atol=rtol * floors["dq"]).raise_if_failed()
+    check("dk", dk, ref_dk, rtol_norm=rtol, atol=rtol * floors["dk"]).raise_if_failed()
