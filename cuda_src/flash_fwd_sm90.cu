@@ -30,6 +30,10 @@
 // Loads run one step ahead (cp.async): during step j, K(j+1) and Vj.  The
 // softmax of step j overlaps the tensor cores' Oi += P(j-1) V(j-1)
 // (FWD_OVERLAP, FlashAttention-3's intra-warpgroup pipelining).
+// Grid: one block per query tile, or with FWD_PERSIST as many blocks as the
+// SMs hold, each running query tiles ("jobs") until none are left and
+// loading the next one's first tiles under the current one's last Pij Vj
+// (see the kernel).
 //
 // Masks: as flash_fwd.cu -- key tiles outside the causal/window/key-length
 // band are skipped, boundary tiles are masked element-wise, MASK_MODE adds a

@@ -315,6 +315,11 @@ def _band(prob: Problem) -> Tuple[int, int]:
 def _check_grid(prob: Problem) -> None:
     if prob.B > MAX_GRID_YZ or prob.H > MAX_GRID_YZ:
         raise ValueError(f"B and H must each be <= {MAX_GRID_YZ} on the CUDA backend, got B={prob.B}, H={prob.H}")
+    # The persistent Hopper forward numbers its jobs (query tiles of at least
+    # 64 rows) with int32.
+    jobs = prob.B * prob.H * -(-prob.Nq // 64)
+    if jobs > MAX_JOBS:
+        raise ValueError(f"B * H * ceil(Nq / 64) must be <= {MAX_JOBS} on the CUDA backend, got {jobs}")
 
 
 def _vec_ok(args, D: int, itemsize: int = 4) -> int:
@@ -449,9 +454,7 @@ def run_forward(prob: Problem, stream=None):
         # them in order or from the job counter; otherwise one block each.
         jobs = grid[0] * H * B
         counter = 0
-        if var.defs["FWD_PERSIST"]:
-            if jobs > MAX_JOBS:
-                raise ValueError(f"B * H * ceil(Nq / {rows}) must be <= {MAX_JOBS} on the CUDA backend, got {jobs}")
+        if var.defs["FWD_PERSIST"]:  # (_check_grid bounds the jobs)
             if var.tiles.fwd90_persist == 2:
                 counter = _job_counter(stream)
             grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)

@@ -1518,3 +1518,16 @@ def test_own_dtype_that_cannot_name_opaque_type(own: Any) -> None:
     q = TypedOpaqueArray(Q_SHAPE, own)
     with pytest.raises(TypeError, match="the 2-byte type cannot be identified"):
         validate_forward(q, q, q)
+
+
+def test_cuda_grid_limits() -> None:
+    """Sizes the CUDA kernels cannot index raise ValueError (checked before any launch)."""
+    from types import SimpleNamespace
+
+    from pycudaflash import cuda_backend
+
+    cuda_backend._check_grid(SimpleNamespace(B=16, H=16, Nq=1024))
+    with pytest.raises(ValueError, match="B and H"):
+        cuda_backend._check_grid(SimpleNamespace(B=1, H=cuda_backend.MAX_GRID_YZ + 1, Nq=1))
+    with pytest.raises(ValueError, match="ceil"):  # int32 job numbers of the persistent forward
+        cuda_backend._check_grid(SimpleNamespace(B=65535, H=65535, Nq=1 << 20))
