@@ -427,9 +427,8 @@ def noise_floors(
     * ``'lse'``: ``|scale| ||q_i|| max_j ||k_j|| / sqrt(D) + max|bias|``, the
       size of the largest scores.
 
-    The sums of ``P_ij^2`` come from the float64 reference run on doubled
-    scores: ``softmax(2 S)_ij = P_ij^2 exp(2 lse_i - lse2_i)``, where ``lse2``
-    is the log-sum-exp of ``2 S``.  For a result without cancellation the
+    The sums of ``P_ij^2`` are products with the square of the float64
+    reference's probabilities.  For a result without cancellation the
     floor is about its own size (measured: ``||floor|| / ||ref||`` has median
     1.0 for ``out`` and ``dv`` and 1.5 for ``dq`` and ``dk``), so
     ``atol = rtol * floor`` loosens the tolerance there about twofold, while a
@@ -451,33 +450,33 @@ def noise_floors(
         ``'out'``, ``'lse'`` and, with ``dout``, ``'dq'``, ``'dk'`` and
         ``'dv'``; each broadcastable to the shape of its quantity.
     """
-    from .reference import reference_backward, reference_forward
+    from .reference import _scores, _softmax_parts
 
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
     D = q64.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     root_d = math.sqrt(D)
     bias = 0.0
-    mask2 = None
     if mask is not None:
         m = np.asarray(to_host(mask))
-        if m.dtype == np.bool_:
-            mask2 = m
-        else:
+        if m.dtype != np.bool_:
             m64 = m.astype(np.float64)
             bias = float(np.max(np.abs(m64), where=np.isfinite(m64), initial=0.0))
-            mask2 = 2.0 * m64  # -inf stays -inf
-    opts = dict(causal=causal, window=window, key_lengths=key_lengths)
 
-    # P^2 = softmax(2S) * c with c_i = exp(lse2_i - 2 lse_i) (0 where no key is seen).
-    out64, lse = reference_forward(q64, k64, v64, scale=s, mask=mask, **opts)
-    _, lse2 = reference_forward(q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)
-    seen = np.isfinite(lse)
-    c = np.where(seen, np.exp(np.where(seen, lse2, 0.0) - 2.0 * np.where(seen, lse, 0.0)), 0.0)
+    # The reference's probabilities P (0 where masked and on rows that see no
+    # key), then P^2 in place once out = P V is taken.
+    S, _ = _scores(q64, k64, scale=s, causal=causal, window=window, mask=mask, key_lengths=key_lengths)
+    P2, _ = _softmax_parts(S)
+    out64 = np.matmul(P2, v64)
+    P2 *= P2
 
     def p2_sum(values: np.ndarray) -> np.ndarray:
         """sum_j P_ij^2 values_jd, (B, H, Nq, D)."""
-        return c[..., None] * reference_forward(q64, k64, values, scale=2.0 * s, mask=mask2, **opts)[0]
+        return np.matmul(P2, values)
+
+    def p2t_sum(weights: np.ndarray) -> np.ndarray:
+        """sum_i P_ij^2 weights_id, (B, H, Nk, D)."""
+        return np.matmul(np.swapaxes(P2, -1, -2), weights)
 
     kmax_row = np.max(_row_norms(k64), axis=-1, initial=0.0)  # (B, H)
     floors: Dict[str, np.ndarray] = {
@@ -493,17 +492,10 @@ def noise_floors(
     # (they cancel them exactly in a row that sees one key), with the typical
     # size D_i^2 ~ ||dO_i||^2 ||out_i||^2 / D; add their sums too.
     d2 = do_norm2 * np.sum(out64 * out64, axis=-1) / D  # (B, H, Nq)
-
-    def p2t_sum(weights: np.ndarray) -> np.ndarray:
-        """sum_i P_ij^2 weights_id, (B, H, Nk, D): the dv of the doubled
-        problem with output gradient c_i weights_id."""
-        w = np.broadcast_to(c[..., None] * weights, do64.shape)
-        return np.maximum(reference_backward(w, q64, k64, v64, scale=2.0 * s, mask=mask2, **opts)[2], 0.0)
-
     q2 = q64 * q64
     k2 = k64 * k64
     v_norm2 = np.sum(v64 * v64, axis=-1)  # ||v_j||^2
-    floors["dv"] = np.sqrt(p2t_sum(do_norm2[..., None])[..., :1] / D)
+    floors["dv"] = np.sqrt(p2t_sum(do_norm2[..., None]) / D)
     floors["dq"] = abs(s) * (np.sqrt(do_norm2[..., None] * p2_sum(v_norm2[..., None] * k2) / D)
                              + np.sqrt(d2[..., None] * p2_sum(k2)))
     floors["dk"] = abs(s) * (np.sqrt(v_norm2[..., None] * p2t_sum(do_norm2[..., None] * q2) / D)
