@@ -42,26 +42,28 @@ def main(argv=None) -> int:
     }
     cases["bool_mask"]["mask"][:, :, 5, :] = False
     failures = 0
-    # Head dims 64 and 37 (bucket 64) with every case; for 16-bit inputs also
-    # the other tile layouts (buckets 128, 192, 256) with a few cases, and
-    # head dim 128 with more query tiles than the device holds blocks at once
-    # (persistent forward blocks run several of them).
-    extra = {"none", "causal_bottom_right", "bool_mask"}
-    many = {"none", "causal_bottom_right"}
-    runs = [(dt, D, (B, H, Nq, Nk)) for dt in dtypes
-            for D in ((64, 37) if dt == "float32" else (64, 37, 128, 150, 256))]
-    runs += [(dt, 128, (4, 12, 300, 257)) for dt in dtypes if dt != "float32"]
-    for dtype, D, (B, H, Nq, Nk) in runs:
+    # Runs (dtype, D, sizes, the cases to run; None: all): head dims 64 and 37
+    # (bucket 64) with every case; for 16-bit inputs also the other tile
+    # layouts (buckets 128, 192, 256) with a few cases, and head dim 128 with
+    # more query tiles than the device holds blocks at once (persistent
+    # forward blocks run several of them).
+    small = (B, H, Nq, Nk)
+    runs = []
+    for dt in dtypes:
+        runs += [(dt, D, small, None) for D in (64, 37)]
+        if dt != "float32":
+            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask"}) for D in (128, 150, 256)]
+            runs.append((dt, 128, (4, 12, 300, 257), {"none", "causal_bottom_right"}))
+    for dtype, D, (B, H, Nq, Nk), names in runs:
         np_dtype = NP_DTYPES[dtype]
         q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(np_dtype)
                        for s in ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D), (B, H, Nq, D)))
-        big = B * H > 4
         gq, gk, gv, gdo = (gpuarray.to_gpu(x) for x in (q, k, v, do))
         all_cases = dict(cases)
         if dtype != "float32":  # a float mask in the input's own type (converted on the device)
             all_cases["float_mask_" + dtype] = {"mask": cases["float_mask"]["mask"].astype(np_dtype)}
         for name, kw in all_cases.items():
-            if (big and name not in many) or (D not in (64, 37) and name not in extra):
+            if names is not None and name not in names:
                 continue
             dkw = {key: (gpuarray.to_gpu(val) if key == "mask" else val) for key, val in kw.items()}
             dkw["dtype"] = dtype  # a bfloat16 GPUArray exports the opaque '<V2'
