@@ -179,16 +179,17 @@ def _dtype_kwargs(problem: AttentionProblem) -> Dict[str, Any]:
 
 
 def _run_forward(
-    problem: AttentionProblem, x: Dict[str, Any], backend: str,
+    problem: AttentionProblem, x: Dict[str, Any], backend: str, stream: Any = None,
 ) -> Tuple[Any, Any, Dict[str, Any]]:
-    """Forward pass into poisoned buffers; returns the buffers and the device inputs."""
+    """Forward pass (on ``stream``, not synchronised) into poisoned buffers;
+    returns the buffers and the device inputs."""
     B, H, Nq, D = problem.B, problem.H, problem.Nq, problem.D
     dev = {name: _put(x[name], backend) for name in ("q", "k", "v", "dout")}
     kw = _device_kwargs(problem, x, backend)
     out = _poisoned((B, H, Nq, D), x["q"].dtype, backend)
     lse = _poisoned((B, H, Nq), np.float32, backend)
     ret_out, ret_lse = flash_attn_forward(
-        dev["q"], dev["k"], dev["v"], **kw, out=out, lse=lse, backend=backend,
+        dev["q"], dev["k"], dev["v"], **kw, out=out, lse=lse, backend=backend, stream=stream,
         **_dtype_kwargs(problem),
     )
     assert ret_out is out and ret_lse is lse, "the out=/lse= buffers must be returned"
@@ -484,16 +485,6 @@ _PERSISTENT_PROBLEMS = (
 )
 
 
-def _forward_on(problem: AttentionProblem, x: Dict[str, Any], stream: Any) -> Tuple[Any, ...]:
-    """Forward of one problem on ``stream`` into poisoned outputs, no sync."""
-    dev = {name: _to_device(x[name]) for name in ("q", "k", "v")}
-    out = _poisoned((problem.B, problem.H, problem.Nq, problem.D), x["q"].dtype, "cuda")
-    lse = _poisoned((problem.B, problem.H, problem.Nq), np.float32, "cuda")
-    flash_attn_forward(dev["q"], dev["k"], dev["v"], **_device_kwargs(problem, x, "cuda"), stream=stream,
-                       out=out, lse=lse, backend="cuda", **_dtype_kwargs(problem))
-    return out, lse, dev
-
-
 @pytest.mark.gpu
 def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward gives the same bytes run after run and on two streams at
@@ -511,14 +502,14 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     for p, x in zip(_PERSISTENT_PROBLEMS, inputs):
         runs = []
         for _ in range(3):
-            res = _forward_on(p, x, None)
+            res = _run_forward(p, x, "cuda")
             drv.Context.synchronize()
             runs.append(_bytes(*res[:2]))
         assert runs[1] == runs[0] and runs[2] == runs[0], f"{p}: forward differs between runs"
         alone.append(runs[0])
     streams = [drv.Stream(), drv.Stream()]
     for _ in range(2):
-        launched = [_forward_on(p, x, s) for p, x, s in zip(_PERSISTENT_PROBLEMS, inputs, streams)]
+        launched = [_run_forward(p, x, "cuda", s) for p, x, s in zip(_PERSISTENT_PROBLEMS, inputs, streams)]
         for s in streams:
             s.synchronize()
         for p, a, res in zip(_PERSISTENT_PROBLEMS, alone, launched):
