@@ -131,28 +131,44 @@ constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for
 static_assert(DQ_BC % 16 == 0, "dq key tile is a whole number of 16-wide k steps");
 
 // ------------------------------------------------------------- preprocess
-// Di = rowsum(dOi o Oi) (in float32) and Li * log2(e), one warp per row, into
-// contiguous (B, H, Nq) float32 arrays.  Rows with Li = -inf keep -inf.
+// Di = rowsum(dOi o Oi) (in float32) and Li * log2(e), PRE_ROWS rows per
+// warp (their loads issued together), into contiguous (B, H, Nq) float32
+// arrays.  Rows with Li = -inf keep -inf.
+#define PRE_ROWS 4
 extern "C" __global__ void __launch_bounds__(256)
 flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
                      float *__restrict__ Dvec, float *__restrict__ L2vec, int H, int Nq, int D, i64 total_rows,
                      i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb, i64 l_sh,
                      i64 l_sn) {
-    const i64 row = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const i64 row0 = ((i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * PRE_ROWS;
     const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= total_rows) return;
-    const int i = (int)(row % Nq);
-    const i64 bh = row / Nq;
-    const int h = (int)(bh % H), b = (int)(bh / H);
-    const elem_t *dorow = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
-    const elem_t *orow = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
-    float acc = 0.f;
-    for (int d = lane; d < D; d += WARP_SIZE) acc = fmaf(to_float(dorow[d]), to_float(orow[d]), acc);
+    const elem_t *dorow[PRE_ROWS], *orow[PRE_ROWS];
+    float acc[PRE_ROWS];
 #pragma unroll
-    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-        Dvec[row] = acc;
-        L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
+    for (int r = 0; r < PRE_ROWS; ++r) {
+        const i64 row = min(row0 + r, total_rows - 1);  // (rows past the end repeat the last, unstored)
+        const int i = (int)(row % Nq);
+        const i64 bh = row / Nq;
+        const int h = (int)(bh % H), b = (int)(bh / H);
+        dorow[r] = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
+        orow[r] = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
+        acc[r] = 0.f;
+    }
+    for (int d = lane; d < D; d += WARP_SIZE)
+#pragma unroll
+        for (int r = 0; r < PRE_ROWS; ++r) acc[r] = fmaf(to_float(dorow[r][d]), to_float(orow[r][d]), acc[r]);
+#pragma unroll
+    for (int r = 0; r < PRE_ROWS; ++r) {
+#pragma unroll
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        const i64 row = row0 + r;
+        if (lane == 0 && row < total_rows) {
+            const int i = (int)(row % Nq);
+            const i64 bh = row / Nq;
+            const int h = (int)(bh % H), b = (int)(bh / H);
+            Dvec[row] = acc[r];
+            L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
+        }
     }
 }
 

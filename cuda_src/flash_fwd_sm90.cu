@@ -184,20 +184,28 @@ struct FwdJob {
     int b, h, q0, kl, tc_begin, n_tiles;
 };
 
-// Job `job` of the work list: query tile fastest (the tiles of one head run
-// side by side and share its Kj, Vj in L2), and within a head the last tile
-// first (under a causal mask it is the longest).
+// Job `job` of the work list.  The (batch, head) pairs form groups of
+// 2^group_shift consecutive pairs (a power of two that divides B * H); a
+// group's jobs run in tile-rank order, the last query tile of every head of
+// the group first, then the second last, and so on, heads fastest.  Under a
+// causal mask the last tile is the longest, so the list ends on its
+// shortest jobs (the blocks finish together); group_shift = 0 keeps the
+// tiles of one head side by side (its Kj, Vj shared in L2).
 __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int Nk, const int *key_lengths,
-                                          int band_lo, int band_hi) {
+                                          int band_lo, int band_hi, int group_shift) {
     FwdJob jb;
 #if FWD_PERSIST
-    const int bh = job / n_qt;
-    jb.q0 = (n_qt - 1 - (job - bh * n_qt)) * BR;
+    const int head_in_group = job & ((1 << group_shift) - 1);
+    const int t = job >> group_shift;  // (group, rank)
+    const int group = t / n_qt;
+    const int rank = t - group * n_qt;  // 0: the last query tile
+    const int bh = (group << group_shift) + head_in_group;
+    jb.q0 = (n_qt - 1 - rank) * BR;
     jb.h = bh % H;
     jb.b = bh / H;
 #else
-    // One job per block, grid (Tr, H, B): the same order, and indices the
-    // compiler can read again instead of keeping them in registers.
+    // One job per block, grid (Tr, H, B), the last tile of a head first;
+    // indices the compiler can read again instead of keeping them in registers.
     jb.q0 = (gridDim.x - 1 - blockIdx.x) * BR;
     jb.h = blockIdx.y;
     jb.b = blockIdx.z;
@@ -212,20 +220,20 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
 }
 
 // Grid: gridDim.x blocks work through n_jobs jobs (n_jobs = Tr * H * B).
-// Block x starts with job x.  Without `sched` its next job is the current
-// one + gridDim.x (one job per block when the grid covers the list); with
-// `sched` (two ints, zero before the launch) it takes the next free job from
-// the counter sched[0], so that blocks with short jobs take more of them,
-// and the last block to finish sets both ints back to zero.  A block with a
-// next job loads that job's Qi, K0, V0 and K1 under its current job's last
-// Pij Vj and output.
+// With FWD_PERSIST, block x starts with job x and takes each next job from
+// the job counter sched[0] (two ints, zero before the launch) in its
+// current job's last key step, so that a block claims a job only when it
+// is about to run it; the last block to finish sets both ints back to
+// zero.  A block with a next job loads that job's Qi, K0, V0 and K1 under
+// its current job's last Pij Vj and output.
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
                  i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                  i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
-                 int band_lo, int band_hi, int vec, int H, int n_jobs, int *__restrict__ sched) {
+                 int band_lo, int band_hi, int vec, int H, int n_jobs, int group_shift,
+                 int *__restrict__ sched) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int next_job[2];  // a block's next job, alternate jobs in alternate slots
     unsigned char *smem = swizzle_base(smem_raw);
@@ -272,10 +280,13 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int round = 0;
 #endif
     {
-        // Claim the next job early; the barrier before its use publishes it.
-        if (FWD_PERSIST && sched != nullptr && tid == 0)
-            next_job[round & 1] = (int)gridDim.x + atomicAdd(sched, 1);
-        const FwdJob jb = fwd_job(job, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi);
+        const FwdJob jb = fwd_job(job, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi, group_shift);
+        // The next job's claim: thread 0 sends it in the job's last key step
+        // (here for a job of one step or none) and stores the answer into
+        // next_job just before the barrier that publishes it, so that the
+        // round trip runs under that step's products.
+        int claim = 0;
+        if (FWD_PERSIST && tid == 0 && jb.n_tiles <= 1) claim = atomicAdd(sched, 1);
         mp.kl = jb.kl;
         const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
         const elem_t *Qg = Q + (i64)jb.b * q_sb + (i64)jb.h * q_sh;
@@ -319,6 +330,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             // warpgroup is done with S(j-1) (K stage of j+1) and with
             // P(j-2) V(j-2) (V stage of j), so the next loads may overwrite them.
             __syncthreads();
+            if (FWD_PERSIST && tid == 0 && j == n_tiles - 1) claim = atomicAdd(sched, 1);
             if (j + 1 < n_tiles)
                 load_tile_swz<BC, FWD_THREADS>(Ks + (st ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
             load_tile_swz<BC, FWD_THREADS>(Vs + st * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
@@ -346,7 +358,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             pack_p(p, s);
         }
         // The next job (none without FWD_PERSIST: one job per block).
-        int next = FWD_PERSIST ? job + (int)gridDim.x : n_jobs;
+        int next = n_jobs;
+        if (FWD_PERSIST && tid == 0) next_job[round & 1] = (int)gridDim.x + claim;
         if (n_tiles > 0) {
             cp_async_wait<0>();  // this thread's last V has landed
             fence_proxy_async();
@@ -354,13 +367,13 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             // warpgroup is done with Qi, both K stages and the other V stage
             // (the next job's loads may overwrite them); next_job is written.
             __syncthreads();
-            if (FWD_PERSIST && sched != nullptr) next = next_job[round & 1];
+            if (FWD_PERSIST) next = next_job[round & 1];
             const int last = (sb + n_tiles - 1) & 1;  // stage of the last V
 #if FWD_PERSIST
             sb = last ^ 1;
             loaded = false;
             if (next < n_jobs) {
-                const FwdJob nb = fwd_job(next, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi);
+                const FwdJob nb = fwd_job(next, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi, group_shift);
                 loaded = nb.n_tiles > 0;
                 if (loaded)  // under the last product and the output
                     load_first(Q + (i64)nb.b * q_sb + (i64)nb.h * q_sh, K + (i64)nb.b * k_sb + (i64)nb.h * k_sh,
@@ -375,7 +388,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             hold_p(p);
         } else {
             loaded = false;
-            if (FWD_PERSIST && sched != nullptr) {
+            if (FWD_PERSIST) {
                 // next_job is written.
                 __syncthreads();
                 next = next_job[round & 1];
@@ -406,7 +419,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     }
 
     // The last block to finish leaves the job counter at zero for the next launch.
-    if (FWD_PERSIST && sched != nullptr && tid == 0) {
+    if (FWD_PERSIST && tid == 0) {
         __threadfence();  // this block's claims come before its count
         if (atomicAdd(sched + 1, 1) == (int)gridDim.x - 1) {
             sched[0] = 0;

@@ -182,10 +182,13 @@ class Tiles:
     fwd90_bc: int = 0  # keys per step of the Hopper forward (0: not used here)
     fwd90_wgs: int = 2  # warpgroups (of 64 query rows) per block of the Hopper forward
     fwd90_minb: int = 1  # blocks per SM its registers must allow
-    # Hopper forward grid: 0 one block per query tile; 1 or 2 as many blocks
-    # as fit the device at once (persistent), which take jobs in a fixed
-    # order (1) or the next free one from a job counter (2)
+    # Hopper forward grid: 0 one block per query tile; 1 as many blocks as
+    # fit the device at once (persistent), which take the next free job from
+    # a job counter
     fwd90_persist: int = 0
+    # (batch, head) pairs per group of the persistent forward's job order
+    # (jobs of a group in tile-rank order, longest first); 0: chosen per call
+    fwd90_group: int = 0
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
 
@@ -242,7 +245,7 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             fwd90_minb=2 if head_dim <= 64 else 1,
             # persistent blocks with a job counter where the registers allow
             # (at head dim 64 and above 128 the loop would spill)
-            fwd90_persist=2 if 64 < head_dim <= 128 else 0,
+            fwd90_persist=1 if 64 < head_dim <= 128 else 0,
             bwd90_br=64,
             bwd90_wgs=3 if head_dim <= 64 else 2,
         )

@@ -120,15 +120,18 @@ def _release() -> None:
 
 
 class _Workspace:
-    """Grow-only float32/int32 scratch memory, one per stream.
+    """Grow-only scratch memory, one per stream.
 
     Work on one stream runs in order, so a later call may reuse the memory of
     an earlier one on the same stream; different streams never share it.
+    ``zeroed``: the memory is zero when made and grown, and the kernels that
+    use it leave it zero (the Hopper backward's dQ accumulator and counts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, zeroed: bool = False) -> None:
         self.alloc = None
         self.nbytes = 0
+        self.zeroed = zeroed
 
     def get(self, nbytes: int, stream) -> int:
         import pycuda.driver as drv
@@ -141,22 +144,12 @@ class _Workspace:
                 else:
                     drv.Context.synchronize()
                 self.alloc.free()
-            self.alloc = drv.mem_alloc(max(nbytes, 256))
+            size = _align(max(nbytes, 256), 4)
+            self.alloc = drv.mem_alloc(size)
+            if self.zeroed:
+                drv.memset_d32(self.alloc, 0, size // 4)
             self.nbytes = nbytes
         return int(self.alloc)
-
-
-_workspaces: Dict[Tuple[int, int], _Workspace] = {}
-
-
-def _workspace(stream) -> _Workspace:
-    import pycuda.driver as drv
-
-    key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
-    ws = _workspaces.get(key)
-    if ws is None:
-        ws = _workspaces[key] = _Workspace()
-    return ws
 
 
 class _JobCounter:
@@ -172,17 +165,33 @@ class _JobCounter:
         drv.memset_d32(self.alloc, 0, 2)
 
 
-_job_counters: Dict[Tuple[int, int], _JobCounter] = {}
+# Per (context, stream) state: name -> {(context handle, stream handle): object}.
+_per_stream: Dict[str, Dict[Tuple[int, int], Any]] = {"workspace": {}, "zeroed": {}, "jobs": {}}
+_FACTORIES = {"workspace": _Workspace, "zeroed": lambda: _Workspace(zeroed=True), "jobs": _JobCounter}
 
 
-def _job_counter(stream) -> int:
+def _stream_state(name: str, stream):
+    """The ``name`` state of the current context and ``stream`` (made on first use)."""
     import pycuda.driver as drv
 
     key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
-    jc = _job_counters.get(key)
-    if jc is None:
-        jc = _job_counters[key] = _JobCounter()
-    return int(jc.alloc)
+    table = _per_stream[name]
+    obj = table.get(key)
+    if obj is None:
+        obj = table[key] = _FACTORIES[name]()
+    return obj
+
+
+def _workspace(stream) -> _Workspace:
+    return _stream_state("workspace", stream)
+
+
+def _zeroed_workspace(stream) -> _Workspace:
+    return _stream_state("zeroed", stream)
+
+
+def _job_counter(stream) -> int:
+    return int(_stream_state("jobs", stream).alloc)
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -422,7 +431,9 @@ def _three(strides) -> Tuple[int, int, int]:
 # ------------------------------------------------------------------ forward
 
 _FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
-_FWD90_FORMAT = _FWD_FORMAT + "iiP"  # + heads, jobs, job counter
+_FWD90_FORMAT = _FWD_FORMAT + "iiiP"  # + heads, jobs, log2 of the job group, job counter
+# L2 share for the Kj, Vj of one job group of the persistent forward
+_JOB_GROUP_BYTES = 16 << 20
 _MASK_CONVERT_FORMAT = "PP" + "qqq" + "qqqq" + "q"
 
 
@@ -451,14 +462,14 @@ def run_forward(prob: Problem, stream=None):
     extra = ()
     if hopper:
         # Jobs: query tiles of every (batch, head).  Persistent blocks take
-        # them in order or from the job counter; otherwise one block each.
+        # them from the job counter; otherwise one block each.
         jobs = grid[0] * H * B
-        counter = 0
+        counter, group_shift = 0, 0
         if var.defs["FWD_PERSIST"]:  # (_check_grid bounds the jobs)
-            if var.tiles.fwd90_persist == 2:
-                counter = _job_counter(stream)
+            counter = _job_counter(stream)
+            group_shift = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
             grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)
-        extra = (H, jobs, counter)
+        extra = (H, jobs, group_shift, counter)
     fn.prepared_async_call(
         grid, (threads, 1, 1), stream,
         q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
@@ -471,6 +482,25 @@ def run_forward(prob: Problem, stream=None):
     if not prob.on_device:
         _finish_host((out, lse), stream)
     return _result(out, prob.out), _result(lse, prob.lse)
+
+
+def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
+    """log2 of the (batch, head) pairs per group of the persistent forward's job order.
+
+    Where a causal or window band makes the query tiles of a head unequal,
+    a group holds as many heads as have their Kj, Vj in ``_JOB_GROUP_BYTES``
+    (a power of two that divides B * H; ``fixed`` > 0 asks for at most that
+    many), so that the job list ends on short tiles, longest first.  With
+    jobs of equal length (or lengths set by key lengths, which tile rank
+    does not order) one head per group keeps its tiles together.
+    """
+    lo, hi = _band(prob)
+    if fixed <= 0 and lo <= 1 - prob.Nq and hi >= prob.Nk - 1:  # every query row sees every key
+        return 0
+    bh = prob.B * prob.H
+    want = fixed if fixed > 0 else _JOB_GROUP_BYTES // (2 * prob.Nk * prob.D * itemsize)
+    heads = min(want, bh & -bh)  # (bh & -bh: the largest power of two dividing bh)
+    return max(heads, 1).bit_length() - 1
 
 
 def _mask_converter(prob: Problem, var: _Variant):
@@ -490,6 +520,10 @@ _PRE_FORMAT = "PPPPP" + "iii" + "q" + "q" * 9
 _DKDV_FORMAT = "PPPPPPPPPPP" + "iii" + "q" * 22 + "ff" + "iii"
 _DQ_FORMAT = "PPPPPPPPP" + "iii" + "q" * 19 + "ff" + "iii"
 _CONVERT_FORMAT = "PP" + "iii" + "q" + "qqq"
+# The Hopper dK/dV kernel also rounds dq itself: + dq, its strides, the per-head counts.
+_DKDV90_FORMAT = _DKDV_FORMAT + "P" + "qqq" + "P"
+# Rows per warp of the preprocess kernel (PRE_ROWS of flash_bwd_f16.cu; 1 in flash_bwd.cu).
+_PRE_ROWS = {"float32": 1, "float16": 4, "bfloat16": 4}
 
 
 def run_backward(prob: Problem, stream=None):
@@ -500,11 +534,16 @@ def run_backward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     var = _variant(prob, "bwd")
+    hopper = var.pass_ == "bwd_sm90"
+    # dq: the deterministic kernel; or float32 atomics into an accumulator,
+    # which the Hopper dK/dV kernel rounds into dq itself (and leaves zero)
+    # and the others leave to a conversion kernel.
+    fused_dq = hopper and not prob.deterministic
     f_pre = var.function("flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT)
+    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV90_FORMAT if hopper else _DKDV_FORMAT)
     if prob.deterministic:
         f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT)
-    else:
+    elif not fused_dq:
         f_conv = var.function("flash_bwd_convert_dq", _CONVERT_FORMAT)
     conv = _mask_converter(prob, var)
 
@@ -515,14 +554,22 @@ def run_backward(prob: Problem, stream=None):
     dv = _output(prob.dv, (B, H, Nk, D), prob.dtype, prob.on_device)
     mask = _mask_input(prob.mask, stream, conv)
 
-    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator.
+    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator
+    # (for the fused dq in the zeroed workspace, after a count per head).
     rows = B * H * Nq
     off_l2 = _align(4 * rows)
     off_kl = off_l2 + _align(4 * rows)
     off_dq = off_kl + _align(4 * B)
-    total = off_dq + (0 if prob.deterministic else 4 * rows * D)
+    total = off_dq + (0 if prob.deterministic or fused_dq else 4 * rows * D)
     base = _workspace(stream).get(total, stream)
-    d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
+    d_ptr, l2_ptr = base, base + off_l2
+    dqacc_ptr = count_ptr = 0
+    if fused_dq:
+        off_acc = _align(4 * B * H)
+        count_ptr = _zeroed_workspace(stream).get(off_acc + 4 * rows * D, stream)
+        dqacc_ptr = count_ptr + off_acc
+    elif not prob.deterministic:
+        dqacc_ptr = base + off_dq
     kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
     itemsize = np.dtype(prob.dtype).itemsize
@@ -531,14 +578,15 @@ def run_backward(prob: Problem, stream=None):
     scale = np.float32(prob.scale)
     scale_log2 = np.float32(prob.scale * LOG2E)
 
-    # 1. Di = rowsum(dO o O), Li*log2(e); zero the dQ accumulator.
-    rows_per_block = 8
+    # 1. Di = rowsum(dO o O), Li*log2(e); zero the dQ accumulator (unless fused).
+    warps = 8
+    rows_per_block = warps * _PRE_ROWS[var.dtype]
     f_pre.prepared_async_call(
-        ((rows + rows_per_block - 1) // rows_per_block, 1, 1), (32 * rows_per_block, 1, 1), stream,
+        ((rows + rows_per_block - 1) // rows_per_block, 1, 1), (32 * warps, 1, 1), stream,
         do.ptr, o.ptr, lse.ptr, d_ptr, l2_ptr, H, Nq, D, rows,
         *_three(do.strides), *_three(o.strides), *_three(lse.strides),
     )
-    if dqacc_ptr:
+    if dqacc_ptr and not fused_dq:
         if stream is not None:
             drv.memset_d32_async(dqacc_ptr, 0, rows * D, stream)
         else:
@@ -553,9 +601,10 @@ def run_backward(prob: Problem, stream=None):
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
         *_three(dk.strides), *_three(dv.strides), *mask.strides,
         scale_log2, scale, lo, hi, vec,
+        *((dq.ptr, *_three(dq.strides), count_ptr) if hopper else ()),
         shared_size=var.smem("flash_bwd_dkdv_kernel"),
     )
-    # 3. dQ: deterministic kernel, or copy of the accumulator.
+    # 3. dQ: deterministic kernel, or copy of the accumulator (unless fused).
     if prob.deterministic:
         f_dq.prepared_async_call(
             ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
@@ -566,7 +615,7 @@ def run_backward(prob: Problem, stream=None):
             scale_log2, scale, lo, hi, vec,
             shared_size=var.smem("flash_bwd_dq_kernel"),
         )
-    else:
+    elif not fused_dq:
         n = rows * D
         blocks = max(1, min((n + 255) // 256, 132 * 16))
         f_conv.prepared_async_call(

@@ -62,15 +62,16 @@ CONFIG_SETS["blocks"] = [
     (128, "h128:fwd90_bc=32,fwd90_minb=2", "1"),
     (128, "h128:fwd90_wgs=3,fwd90_bc=64", "1"),
 ]
-# Hopper forward grid (fwd90_persist): one block per query tile (0),
-# persistent blocks in a fixed job order (1) or from a job counter (2).
+# Hopper forward grid (fwd90_persist): one block per query tile (0) or
+# persistent blocks taking jobs from a job counter (1); their job order
+# (fwd90_group: heads per group, 0 chosen per call, 1 one head at a time).
 CONFIG_SETS["persist"] = [
     (64, "", "1"),
     (96, "", "1"),
     (96, "h96:fwd90_persist=0", "1"),
     (128, "", "1"),
     (128, "h128:fwd90_persist=0", "1"),
-    (128, "h128:fwd90_persist=1", "1"),
+    (128, "h128:fwd90_group=1", "1"),
 ]
 CONFIGS = CONFIG_SETS[os.environ.get("F16_TUNE_SET", "family")]
 # (sequence length, causal) pairs, e.g. F16_TUNE_SHAPES="1024:0,4096:1"

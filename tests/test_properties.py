@@ -354,19 +354,12 @@ def test_forward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _assert_all(results, problem, backend)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@given(data=st.data())
-def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
-    _skip_float32_repeat(dtype)
-    problem = data.draw(PROBLEMS[dtype], label="problem")
-    # The deterministic mode computes dQ by another kernel (no atomics).
-    deterministic = data.draw(st.booleans(), label="deterministic")
-    x = make_inputs(problem)
-    kw_host = attention_kwargs(problem, x)
-    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
-    ref_dq, ref_dk, ref_dv = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw_host)
-
-    out, lse, dev = _run_forward(problem, x, backend)
+def _launch_backward(
+    problem: AttentionProblem, x: Dict[str, Any], backend: str, deterministic: bool, stream: Any = None,
+) -> Tuple[Any, ...]:
+    """Forward, then backward into poisoned buffers, on ``stream`` (not
+    synchronised); returns out, lse, dq, dk, dv and the device inputs."""
+    out, lse, dev = _run_forward(problem, x, backend, stream)
     B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
     dtype = x["q"].dtype
     dq = _poisoned((B, H, Nq, D), dtype, backend)
@@ -375,10 +368,18 @@ def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None
     ret = flash_attn_backward(
         dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
         **_device_kwargs(problem, x, backend), dq=dq, dk=dk, dv=dv, backend=backend,
-        deterministic=deterministic, **_dtype_kwargs(problem),
+        deterministic=deterministic, stream=stream, **_dtype_kwargs(problem),
     )
     assert ret[0] is dq and ret[1] is dk and ret[2] is dv, "the dq=/dk=/dv= buffers must be returned"
+    return out, lse, dq, dk, dv, dev
 
+
+def _backward_checks(problem: AttentionProblem, x: Dict[str, Any], backend: str, out: Any, lse: Any, dq: Any,
+                     dk: Any, dv: Any) -> List[CheckResult]:
+    """Every output of a forward and backward against the float64 reference."""
+    kw_host = attention_kwargs(problem, x)
+    ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
+    ref_dq, ref_dk, ref_dv = reference_backward(x["dout"], x["q"], x["k"], x["v"], **kw_host)
     floors = noise_floors(x["q"], x["k"], x["v"], x["dout"], **kw_host)
     ref = {"out": ref_out, "lse": ref_lse, "dq": ref_dq, "dk": ref_dk, "dv": ref_dv}
     bounds = _bounds(problem, x, kw_host, backend, ref, floors, tuple(ref))
@@ -395,7 +396,19 @@ def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None
         check("dv", to_host(dv), ref_dv, rtol_norm=bounds["dv"],
               atol=bounds["dv"] * floors["dv"], exact=key_unseen),
     ]
-    _assert_all(results, problem, backend)
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(data=st.data())
+def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
+    _skip_float32_repeat(dtype)
+    problem = data.draw(PROBLEMS[dtype], label="problem")
+    # The deterministic mode computes dQ by another kernel (no atomics).
+    deterministic = data.draw(st.booleans(), label="deterministic")
+    x = make_inputs(problem)
+    bufs = _launch_backward(problem, x, backend, deterministic)
+    _assert_all(_backward_checks(problem, x, backend, *bufs[:5]), problem, backend)
 
 
 # --------------------------------------------------------------------------
@@ -479,7 +492,7 @@ def test_two_streams_match_single_runs(cuda: None) -> None:
 
 
 _PERSISTENT_PROBLEMS = (
-    AttentionProblem(B=3, H=5, Nq=1000, Nk=1000, D=128, dtype="float16", causal=True, seed=23),
+    AttentionProblem(B=4, H=5, Nq=1000, Nk=1000, D=128, dtype="float16", causal=True, seed=23),
     AttentionProblem(B=2, H=3, Nq=257, Nk=513, D=100, dtype="bfloat16", causal="bottom_right",
                      window=(200, None), key_lengths=(0, 300), seed=24),
 )
@@ -496,7 +509,8 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     # The kernels the library picks by default (a session-scoped 'cuda-mma'
     # run may still have the Hopper kernels switched off).
     monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
-    counters_before = len(cuda_backend._job_counters)
+    counters = cuda_backend._per_stream["jobs"]
+    counters_before = len(counters)
     inputs = [make_inputs(p) for p in _PERSISTENT_PROBLEMS]
     alone = []
     for p, x in zip(_PERSISTENT_PROBLEMS, inputs):
@@ -517,12 +531,54 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     if compiler.arch_of_current_device() in compiler.HOPPER_ARCHES:
         # The default stream's counter may come from an earlier test; each
         # new stream gets its own.
-        assert len(cuda_backend._job_counters) >= max(counters_before, 1) + 2, \
+        assert len(counters) >= max(counters_before, 1) + 2, \
             "the persistent forward did not use one job counter per stream"
-    for key, jc in cuda_backend._job_counters.items():
+    for key, jc in counters.items():
         left = np.full(2, -1, np.int32)
         drv.memcpy_dtoh(left, jc.alloc)
         assert not left.any(), f"job counter of {key} left at {left.tolist()} after its launches"
+
+
+# Head dims with whole float4 rows (100), pairs only (70) and odd (33);
+# heads whose key length is 0 (no block adds to their dQ); Nq != Nk both ways.
+_DQ_FUSED_PROBLEMS = (
+    AttentionProblem(B=2, H=3, Nq=300, Nk=200, D=100, dtype="float16", causal="bottom_right",
+                     key_lengths=(0, 150), seed=31),
+    AttentionProblem(B=1, H=4, Nq=129, Nk=385, D=70, dtype="bfloat16", window=(64, 32), seed=32),
+    AttentionProblem(B=3, H=2, Nq=97, Nk=97, D=33, dtype="float16", seed=33),
+)
+
+
+@pytest.mark.gpu
+def test_backward_dq_accumulator_is_left_zero(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's dq is right run after run and on two streams at once,
+    and every zeroed workspace (dQ accumulator and per-head counts, which the
+    Hopper kernel clears behind itself) is all zero afterwards."""
+    import pycuda.driver as drv
+
+    from pycudaflash import cuda_backend
+
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)  # (see the job-counter test)
+    inputs = [make_inputs(p) for p in _DQ_FUSED_PROBLEMS]
+    for _ in range(2):
+        for p, x in zip(_DQ_FUSED_PROBLEMS, inputs):
+            bufs = _launch_backward(p, x, "cuda", deterministic=False)
+            drv.Context.synchronize()
+            _assert_all(_backward_checks(p, x, "cuda", *bufs[:5]), p, "cuda")
+    streams = [drv.Stream(), drv.Stream()]
+    launched = [(p, x, _launch_backward(p, x, "cuda", False, s))
+                for p, x, s in zip(_DQ_FUSED_PROBLEMS, inputs, streams * 2)]
+    for s in streams:
+        s.synchronize()
+    for p, x, bufs in launched:
+        _assert_all(_backward_checks(p, x, "cuda", *bufs[:5]), p, "cuda")
+    zeroed = cuda_backend._per_stream["zeroed"]
+    if compiler.arch_of_current_device() in compiler.HOPPER_ARCHES:
+        assert len(zeroed) >= 3, "the Hopper backward did not use a zeroed workspace per stream"
+    for key, ws in zeroed.items():
+        left = np.full(ws.nbytes // 4, -1, np.int32)
+        drv.memcpy_dtoh(left, ws.alloc)
+        assert not left.any(), f"zeroed workspace of {key}: {np.count_nonzero(left)} words left non-zero"
 
 
 @pytest.mark.gpu

@@ -1531,3 +1531,35 @@ def test_cuda_grid_limits() -> None:
         cuda_backend._check_grid(SimpleNamespace(B=1, H=cuda_backend.MAX_GRID_YZ + 1, Nq=1))
     with pytest.raises(ValueError, match="ceil"):  # int32 job numbers of the persistent forward
         cuda_backend._check_grid(SimpleNamespace(B=65535, H=65535, Nq=1 << 20))
+
+
+def test_persistent_job_groups() -> None:
+    """The persistent forward's job groups: one head where every query tile
+    sees every key, else a power of two dividing B * H whose heads' K and V
+    fit the group's L2 share."""
+    from types import SimpleNamespace
+
+    from pycudaflash import cuda_backend
+    from pycudaflash.semantics import band
+
+    def shift(B, H, N, D, causal, fixed=0, itemsize=2, Nk=None):
+        Nk = Nk or N
+        prob = SimpleNamespace(B=B, H=H, Nq=N, Nk=Nk, D=D, band=band(N, Nk, causal, -1, -1))
+        return cuda_backend._job_group_shift(prob, fixed, itemsize)
+
+    budget = cuda_backend._JOB_GROUP_BYTES
+    assert shift(16, 16, 1024, 128, "none") == 0
+    for B, H, N, D in [(16, 16, 1024, 128), (4, 16, 4096, 128), (1, 16, 16384, 128), (16, 32, 1024, 64),
+                       (6, 10, 777, 100)]:
+        s = shift(B, H, N, D, "top_left")
+        heads = 1 << s
+        assert (B * H) % heads == 0, (B, H, N, D, s)
+        assert heads * 2 * N * D * 2 <= budget or heads == 1, (B, H, N, D, s)
+        # the largest such power of two
+        assert (B * H) % (2 * heads) or 2 * heads * 2 * N * D * 2 > budget, (B, H, N, D, s)
+    assert shift(16, 16, 1024, 128, "top_left") == 5
+    assert shift(3, 5, 1024, 128, "top_left") == 0  # B * H odd
+    assert shift(1, 1, 1 << 16, 128, "bottom_right") == 0  # one head's K, V exceed the share
+    assert shift(16, 16, 1024, 128, "top_left", fixed=1) == 0
+    assert shift(16, 16, 1024, 128, "none", fixed=4) == 2
+    assert shift(2, 3, 1024, 128, "top_left", fixed=8) == 1  # (at most what divides B * H)
