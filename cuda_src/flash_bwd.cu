@@ -9,7 +9,7 @@
 //   dKj += scale * dSij^T Qi
 //   dQi += scale * dSij Kj
 // Kernels, launched in this order on one stream:
-//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace.
+//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace; zeroes the dQ accumulator.
 //   flash_bwd_dkdv_kernel one block per key tile Kj, Vj (outer loop) of one
 //                         (batch, head); loops over the query tiles that see
 //                         it; dKj, dVj stay in registers.  Given a dQ
@@ -77,29 +77,14 @@ static_assert(QW_M * QW_N == BWD_WARPS && NT_Q * 8 * QW_N == HEAD_DIM, "dQi warp
 static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0 && DQ_BC % 8 == 0, "tiles are whole mma tiles");
 
 // ------------------------------------------------------------- preprocess
-// Di = rowsum(dOi o Oi) and Li * log2(e), one warp per row, into contiguous
-// (B, H, Nq) float32 arrays.  Rows with Li = -inf keep -inf.
-extern "C" __global__ void __launch_bounds__(256)
+// Di, Li * log2(e) and the zeroed dQ accumulator (preprocess_rows).
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 flash_bwd_preprocess(const float *__restrict__ dO, const float *__restrict__ O, const float *__restrict__ LSE,
-                     float *__restrict__ Dvec, float *__restrict__ L2vec, int H, int Nq, int D, i64 total_rows,
-                     i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb, i64 l_sh,
-                     i64 l_sn) {
-    const i64 row = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    if (row >= total_rows) return;
-    const int i = (int)(row % Nq);
-    const i64 bh = row / Nq;
-    const int h = (int)(bh % H), b = (int)(bh / H);
-    const float *dorow = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
-    const float *orow = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
-    float acc = 0.f;
-    for (int d = lane; d < D; d += WARP_SIZE) acc = fmaf(dorow[d], orow[d], acc);
-#pragma unroll
-    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-        Dvec[row] = acc;
-        L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
-    }
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int H, int Nq,
+                     int D, i64 total_rows, i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                     i64 l_sb, i64 l_sh, i64 l_sn) {
+    preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, H, Nq, D, total_rows, do_sb, do_sh, do_sn, o_sb, o_sh, o_sn,
+                    l_sb, l_sh, l_sn, [](float x) { return x; });
 }
 
 // ------------------------------------------------------------------- dK, dV
@@ -390,15 +375,12 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
 
 // --------------------------------------------------------------- convert dQ
 // dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled).
-extern "C" __global__ void __launch_bounds__(256)
-flash_bwd_convert_dq(const float *__restrict__ dQacc, float *__restrict__ dQ, int H, int Nq, int D, i64 total,
-                     i64 dq_sb, i64 dq_sh, i64 dq_sn) {
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const int d = (int)(idx % D);
-        const i64 row = idx / D;
-        const int i = (int)(row % Nq);
-        const i64 bh = row / Nq;
-        const int h = (int)(bh % H), b = (int)(bh / H);
-        dQ[(i64)b * dq_sb + (i64)h * dq_sh + (i64)i * dq_sn + d] = dQacc[idx];
-    }
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+flash_bwd_convert_dq(const float *__restrict__ dQacc, float *__restrict__ dQ, int H, int Nq, int D, i64 total_rows,
+                     i64 dq_sb, i64 dq_sh, i64 dq_sn, int vec) {
+    (void)vec;  // (float32 columns are stored one by one)
+    convert_dq_rows(dQacc, dQ, H, Nq, D, total_rows, dq_sb, dq_sh, dq_sn, [&](float *row, int d, float x0, float x1) {
+        row[d] = x0;
+        if (d + 1 < D) row[d + 1] = x1;
+    });
 }

@@ -11,7 +11,7 @@
 //   dQi += scale * dSij Kj
 // Pij and dSij are rounded to the input type before they enter a product;
 // every sum runs in float32.  Kernels, launched in this order on one stream:
-//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace.
+//   flash_bwd_preprocess  Di and Li*log2(e) into a float32 workspace; zeroes the dQ accumulator.
 //   flash_bwd_dkdv_kernel one block per key tile Kj, Vj (outer loop) of one
 //                         (batch, head); loops over the query tiles that see
 //                         it; dKj, dVj stay in registers.  Given a dQ
@@ -131,45 +131,14 @@ constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for
 static_assert(DQ_BC % 16 == 0, "dq key tile is a whole number of 16-wide k steps");
 
 // ------------------------------------------------------------- preprocess
-// Di = rowsum(dOi o Oi) (in float32) and Li * log2(e), PRE_ROWS rows per
-// warp (their loads issued together), into contiguous (B, H, Nq) float32
-// arrays.  Rows with Li = -inf keep -inf.
-#define PRE_ROWS 4
-extern "C" __global__ void __launch_bounds__(256)
+// Di, Li * log2(e) and the zeroed dQ accumulator (preprocess_rows).
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
-                     float *__restrict__ Dvec, float *__restrict__ L2vec, int H, int Nq, int D, i64 total_rows,
-                     i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb, i64 l_sh,
-                     i64 l_sn) {
-    const i64 row0 = ((i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE) * PRE_ROWS;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const elem_t *dorow[PRE_ROWS], *orow[PRE_ROWS];
-    float acc[PRE_ROWS];
-#pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r) {
-        const i64 row = min(row0 + r, total_rows - 1);  // (rows past the end repeat the last, unstored)
-        const int i = (int)(row % Nq);
-        const i64 bh = row / Nq;
-        const int h = (int)(bh % H), b = (int)(bh / H);
-        dorow[r] = dO + (i64)b * do_sb + (i64)h * do_sh + (i64)i * do_sn;
-        orow[r] = O + (i64)b * o_sb + (i64)h * o_sh + (i64)i * o_sn;
-        acc[r] = 0.f;
-    }
-    for (int d = lane; d < D; d += WARP_SIZE)
-#pragma unroll
-        for (int r = 0; r < PRE_ROWS; ++r) acc[r] = fmaf(to_float(dorow[r][d]), to_float(orow[r][d]), acc[r]);
-#pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r) {
-#pragma unroll
-        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-        const i64 row = row0 + r;
-        if (lane == 0 && row < total_rows) {
-            const int i = (int)(row % Nq);
-            const i64 bh = row / Nq;
-            const int h = (int)(bh % H), b = (int)(bh / H);
-            Dvec[row] = acc[r];
-            L2vec[row] = LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] * LOG2E;
-        }
-    }
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int H, int Nq,
+                     int D, i64 total_rows, i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                     i64 l_sb, i64 l_sh, i64 l_sn) {
+    preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, H, Nq, D, total_rows, do_sb, do_sh, do_sn, o_sb, o_sh, o_sn,
+                    l_sb, l_sh, l_sn, [](elem_t x) { return to_float(x); });
 }
 
 // Add a pair (d, d+1) of one dQ row into the float32 accumulator.
@@ -548,15 +517,9 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
 
 // --------------------------------------------------------------- convert dQ
 // dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled), rounded.
-extern "C" __global__ void __launch_bounds__(256)
-flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int H, int Nq, int D, i64 total,
-                     i64 dq_sb, i64 dq_sh, i64 dq_sn) {
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const int d = (int)(idx % D);
-        const i64 row = idx / D;
-        const int i = (int)(row % Nq);
-        const i64 bh = row / Nq;
-        const int h = (int)(bh % H), b = (int)(bh / H);
-        dQ[(i64)b * dq_sb + (i64)h * dq_sh + (i64)i * dq_sn + d] = from_float(dQacc[idx]);
-    }
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int H, int Nq, int D, i64 total_rows,
+                     i64 dq_sb, i64 dq_sh, i64 dq_sn, int vec) {
+    convert_dq_rows(dQacc, dQ, H, Nq, D, total_rows, dq_sb, dq_sh, dq_sn,
+                    [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, vec); });
 }

@@ -13,15 +13,13 @@
 // and dQi += dSij Kj reads dSij^T back from shared memory as an MN-major A
 // operand.  Pij, dSij are rounded to the input type before a product; every
 // sum runs in float32; dKj is scaled by `scale` at the end, dQi on its way
-// into the float32 accumulator; the last block of a (batch, head) to finish
-// rounds that head's dQ into dq and clears its accumulator rows (dq_finish
-// below).  With dQacc = nullptr (deterministic mode) the dQ product is
-// skipped and flash_bwd_dq_kernel computes dQ.
+// into the float32 accumulator.  With dQacc = nullptr (deterministic mode)
+// the dQ product is skipped and flash_bwd_dq_kernel computes dQ.
 //
 // This file follows flash_bwd_f16.cu in the same module (which provides
-// flash_bwd_preprocess, flash_bwd_dq_kernel and dq_add_pair; BWD_SM90
-// leaves its mma.sync dK/dV kernel out) and flash_common_sm90.cuh
-// (swizzled shared-memory tiles).
+// flash_bwd_preprocess, flash_bwd_dq_kernel, flash_bwd_convert_dq and
+// dq_add_pair; BWD_SM90 leaves its mma.sync dK/dV kernel out) and
+// flash_common_sm90.cuh (swizzled shared-memory tiles).
 //
 // Assumptions: as flash_bwd_f16.cu.
 //
@@ -44,84 +42,6 @@
 #define B90_WGS 2
 #endif
 #define B90_THREADS (B90_WGS * WG_THREADS)
-
-// ---------------------------------------------------------- dQ, finished
-// With dq_count (non-deterministic mode), the block of a (batch, head) that
-// finishes last rounds that head's rows of the float32 accumulator into dq
-// and leaves them, and its count, at zero for the next launch: dQacc needs
-// no zeroing pass and no conversion pass, and the rows it reads are still
-// in L2.  Every block counts itself after a fence (its dQi sums come first);
-// the last one fences again before it reads.
-#define DQ_FINISH_UNROLL 8  // accumulator loads in flight per thread
-
-// dq rows [0, Nq) of one head from their accumulator rows `acc`, W floats
-// (4: rows of whole float4s, or 1) an access; acc is zeroed behind.
-template <int W>
-__device__ __forceinline__ void dq_round_rows(float *__restrict__ acc, elem_t *__restrict__ dQg, i64 dq_sn, int Nq,
-                                              int D, bool vec, int tid) {
-    const i64 n = (i64)Nq * D / W;  // accesses
-    const int DW = D / W;           // accesses per row
-    const int step_i = B90_THREADS / DW, step_d = B90_THREADS % DW;
-    int i = tid / DW, dw = tid % DW;  // row and access of this thread's next access
-    for (i64 c0 = tid; c0 < n; c0 += (i64)DQ_FINISH_UNROLL * B90_THREADS) {
-        float x[DQ_FINISH_UNROLL][W];
-#pragma unroll
-        for (int u = 0; u < DQ_FINISH_UNROLL; ++u) {
-            const i64 c = c0 + (i64)u * B90_THREADS;
-            if (c >= n) break;
-            if constexpr (W == 4) {
-                const float4 f = __ldcg(reinterpret_cast<const float4 *>(acc) + c);
-                x[u][0] = f.x; x[u][1] = f.y; x[u][2] = f.z; x[u][3] = f.w;
-            } else {
-                x[u][0] = __ldcg(acc + c);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < DQ_FINISH_UNROLL; ++u) {
-            const i64 c = c0 + (i64)u * B90_THREADS;
-            if (c >= n) break;
-            elem_t *row = dQg + (i64)i * dq_sn;
-            if constexpr (W == 4) {
-                __stcg(reinterpret_cast<float4 *>(acc) + c, make_float4(0.f, 0.f, 0.f, 0.f));
-                store_pair(row, 4 * dw, D, x[u][0], x[u][1], vec);
-                store_pair(row, 4 * dw + 2, D, x[u][2], x[u][3], vec);
-            } else {
-                __stcg(acc + c, 0.f);
-                row[dw] = from_float(x[u][0]);
-            }
-            i += step_i;  // this thread's next access: B90_THREADS further on
-            dw += step_d;
-            if (dw >= DW) {
-                dw -= DW;
-                ++i;
-            }
-        }
-    }
-}
-
-// Count this block as done with head bh's dQi; the last of the head's
-// gridDim.x blocks rounds its dq (dQg: the head's first row) and clears
-// the accumulator rows and the count.
-__device__ __forceinline__ void dq_finish(float *__restrict__ dQacc, int *__restrict__ dq_count, elem_t *dQg,
-                                          i64 dq_sn, i64 bh, int Nq, int D, bool vec, int tid) {
-    __shared__ int is_last;
-    // Every thread of the block has issued its dQi atomics.
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();  // the block's dQi sums come before its count
-        is_last = atomicAdd(dq_count + bh, 1) == (int)gridDim.x - 1;
-        if (is_last) __threadfence();  // every block's sums come before the reads
-    }
-    // is_last is written.
-    __syncthreads();
-    if (!is_last) return;
-    float *acc = dQacc + bh * Nq * D;
-    if ((D & 3) == 0)
-        dq_round_rows<4>(acc, dQg, dq_sn, Nq, D, vec, tid);
-    else
-        dq_round_rows<1>(acc, dQg, dq_sn, Nq, D, vec, tid);
-    if (tid == 0) dq_count[bh] = 0;
-}
 
 #if HEAD_DIM <= 128
 // ================================================ head dim <= 128: dKj, dVj in registers
@@ -219,8 +139,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec,
-                      elem_t *__restrict__ dQ, i64 dq_sb, i64 dq_sh, i64 dq_sn, int *__restrict__ dq_count) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
     elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
@@ -425,8 +344,6 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
             }
         }
     }
-    if (dq_count != nullptr)
-        dq_finish(dQacc, dq_count, dQ + (i64)b * dq_sb + (i64)h * dq_sh, dq_sn, (i64)b * H + h, Nq, D, vec, tid);
 }
 
 #else  // HEAD_DIM > 128
@@ -552,8 +469,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec,
-                      elem_t *__restrict__ dQ, i64 dq_sb, i64 dq_sh, i64 dq_sn, int *__restrict__ dq_count) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
     elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
@@ -697,7 +613,5 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
     elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
     store_kv(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, k0, Nk, D, c0, wg == 0 ? 0 : KV_N, warp_in_wg, g, t, vec);
-    if (dq_count != nullptr)
-        dq_finish(dQacc, dq_count, dQ + (i64)b * dq_sb + (i64)h * dq_sh, dq_sn, (i64)b * H + h, Nq, D, vec, tid);
 }
 #endif

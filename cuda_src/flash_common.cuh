@@ -247,3 +247,100 @@ __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int 
     return nullptr;
 #endif
 }
+
+// ------------------------------------------------- backward row kernels
+// The preprocess and dQ conversion kernels of the backward work on rows of
+// (B, H, Nq): PRE_ROWS consecutive rows per warp (a lane's loads for all of
+// them issued together), PRE_THREADS threads a block.  The host's PRE_ROWS
+// and PRE_WARPS in cuda_backend.py mirror these.
+#define PRE_ROWS 4
+#define PRE_THREADS 256
+
+// First row of this warp's PRE_ROWS.
+__device__ __forceinline__ i64 warp_first_row() {
+    return ((i64)blockIdx.x * (PRE_THREADS / WARP_SIZE) + threadIdx.x / WARP_SIZE) * PRE_ROWS;
+}
+
+// Element (b, h, i) of a strided (B, H, Nq, ...) array for row (b*H + h)*Nq + i.
+template <typename T>
+__device__ __forceinline__ T *row_ptr(T *base, i64 row, int H, int Nq, i64 sb, i64 sh, i64 sn) {
+    const i64 bh = row / Nq;
+    return base + (bh / H) * sb + (bh % H) * sh + (row - bh * Nq) * sn;
+}
+
+// Di = rowsum(dOi o Oi) (float32) and Li * log2(e) of this warp's rows into
+// contiguous (B, H, Nq) arrays (rows with Li = -inf keep -inf); the warp
+// also zeroes its rows of the dQ accumulator when there is one.  to_f
+// converts an input element to float.
+template <typename T, typename ToF>
+__device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const float *LSE, float *Dvec, float *L2vec,
+                                                float *dQacc, int H, int Nq, int D, i64 total_rows, i64 do_sb,
+                                                i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb,
+                                                i64 l_sh, i64 l_sn, ToF to_f) {
+    const i64 row0 = warp_first_row();
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row0 >= total_rows) return;
+    const T *dorow[PRE_ROWS], *orow[PRE_ROWS];
+    float acc[PRE_ROWS];
+#pragma unroll
+    for (int r = 0; r < PRE_ROWS; ++r) {
+        const i64 row = min(row0 + r, total_rows - 1);  // (rows past the end repeat the last, unstored)
+        dorow[r] = row_ptr(dO, row, H, Nq, do_sb, do_sh, do_sn);
+        orow[r] = row_ptr(O, row, H, Nq, o_sb, o_sh, o_sn);
+        acc[r] = 0.f;
+    }
+    for (int d = lane; d < D; d += WARP_SIZE)
+#pragma unroll
+        for (int r = 0; r < PRE_ROWS; ++r) acc[r] = fmaf(to_f(dorow[r][d]), to_f(orow[r][d]), acc[r]);
+    if (dQacc != nullptr) {
+        // The warp's rows are contiguous: n floats from a 16-byte boundary
+        // (row0 is a multiple of 4, the accumulator 256-byte aligned).
+        float *z = dQacc + row0 * D;
+        const i64 n = min((i64)PRE_ROWS, total_rows - row0) * D, n4 = n / 4;
+        for (i64 c = lane; c < n4; c += WARP_SIZE) reinterpret_cast<float4 *>(z)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (i64 c = 4 * n4 + lane; c < n; c += WARP_SIZE) z[c] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < PRE_ROWS; ++r) {
+#pragma unroll
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        const i64 row = row0 + r;
+        if (lane == 0 && row < total_rows) {
+            Dvec[row] = acc[r];
+            L2vec[row] = *row_ptr(LSE, row, H, Nq, l_sb, l_sh, l_sn) * LOG2E;
+        }
+    }
+}
+
+// dq rows of this warp from the float32 accumulator (contiguous rows of D,
+// already scaled): store(row, d, x0, x1) writes columns d and d+1 (the
+// latter only where d+1 < D).
+template <typename T, typename Store>
+__device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H, int Nq, int D, i64 total_rows,
+                                                i64 dq_sb, i64 dq_sh, i64 dq_sn, Store store) {
+    const i64 row0 = warp_first_row();
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (row0 >= total_rows) return;
+    const int rows = (int)min((i64)PRE_ROWS, total_rows - row0);
+    T *dst[PRE_ROWS];
+#pragma unroll
+    for (int r = 0; r < PRE_ROWS; ++r) dst[r] = row_ptr(dQ, min(row0 + r, total_rows - 1), H, Nq, dq_sb, dq_sh, dq_sn);
+    const float *src = dQacc + row0 * D;
+    // Column pairs (d, d+1); with D even a pair is one aligned float2.
+    for (int d = 2 * lane; d < D; d += 2 * WARP_SIZE) {
+        float2 x[PRE_ROWS];
+#pragma unroll
+        for (int r = 0; r < PRE_ROWS; ++r) {
+            const float *p = src + (i64)min(r, rows - 1) * D + d;
+            if ((D & 1) == 0) {
+                x[r] = *reinterpret_cast<const float2 *>(p);
+            } else {
+                x[r].x = p[0];
+                x[r].y = (d + 1 < D) ? p[1] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < PRE_ROWS; ++r)
+            if (r < rows) store(dst[r], d, x[r].x, x[r].y);
+    }
+}

@@ -120,18 +120,15 @@ def _release() -> None:
 
 
 class _Workspace:
-    """Grow-only scratch memory, one per stream.
+    """Grow-only float32/int32 scratch memory, one per stream.
 
     Work on one stream runs in order, so a later call may reuse the memory of
     an earlier one on the same stream; different streams never share it.
-    ``zeroed``: the memory is zero when made and grown, and the kernels that
-    use it leave it zero (the Hopper backward's dQ accumulator and counts).
     """
 
-    def __init__(self, zeroed: bool = False) -> None:
+    def __init__(self) -> None:
         self.alloc = None
         self.nbytes = 0
-        self.zeroed = zeroed
 
     def get(self, nbytes: int, stream) -> int:
         import pycuda.driver as drv
@@ -144,10 +141,7 @@ class _Workspace:
                 else:
                     drv.Context.synchronize()
                 self.alloc.free()
-            size = _align(max(nbytes, 256), 4)
-            self.alloc = drv.mem_alloc(size)
-            if self.zeroed:
-                drv.memset_d32(self.alloc, 0, size // 4)
+            self.alloc = drv.mem_alloc(max(nbytes, 256))
             self.nbytes = nbytes
         return int(self.alloc)
 
@@ -166,8 +160,8 @@ class _JobCounter:
 
 
 # Per (context, stream) state: name -> {(context handle, stream handle): object}.
-_per_stream: Dict[str, Dict[Tuple[int, int], Any]] = {"workspace": {}, "zeroed": {}, "jobs": {}}
-_FACTORIES = {"workspace": _Workspace, "zeroed": lambda: _Workspace(zeroed=True), "jobs": _JobCounter}
+_per_stream: Dict[str, Dict[Tuple[int, int], Any]] = {"workspace": {}, "jobs": {}}
+_FACTORIES = {"workspace": _Workspace, "jobs": _JobCounter}
 
 
 def _stream_state(name: str, stream):
@@ -184,10 +178,6 @@ def _stream_state(name: str, stream):
 
 def _workspace(stream) -> _Workspace:
     return _stream_state("workspace", stream)
-
-
-def _zeroed_workspace(stream) -> _Workspace:
-    return _stream_state("zeroed", stream)
 
 
 def _job_counter(stream) -> int:
@@ -516,14 +506,13 @@ def _mask_converter(prob: Problem, var: _Variant):
 
 # ----------------------------------------------------------------- backward
 
-_PRE_FORMAT = "PPPPP" + "iii" + "q" + "q" * 9
+_PRE_FORMAT = "PPPPPP" + "iii" + "q" + "q" * 9
 _DKDV_FORMAT = "PPPPPPPPPPP" + "iii" + "q" * 22 + "ff" + "iii"
 _DQ_FORMAT = "PPPPPPPPP" + "iii" + "q" * 19 + "ff" + "iii"
-_CONVERT_FORMAT = "PP" + "iii" + "q" + "qqq"
-# The Hopper dK/dV kernel also rounds dq itself: + dq, its strides, the per-head counts.
-_DKDV90_FORMAT = _DKDV_FORMAT + "P" + "qqq" + "P"
-# Rows per warp of the preprocess kernel (PRE_ROWS of flash_bwd_f16.cu; 1 in flash_bwd.cu).
-_PRE_ROWS = {"float32": 1, "float16": 4, "bfloat16": 4}
+_CONVERT_FORMAT = "PP" + "iii" + "q" + "qqq" + "i"
+# Rows per warp of the preprocess and dQ conversion kernels (PRE_ROWS in their .cu files).
+PRE_ROWS = 4
+PRE_WARPS = 8  # warps per block of those kernels
 
 
 def run_backward(prob: Problem, stream=None):
@@ -534,16 +523,11 @@ def run_backward(prob: Problem, stream=None):
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
     var = _variant(prob, "bwd")
-    hopper = var.pass_ == "bwd_sm90"
-    # dq: the deterministic kernel; or float32 atomics into an accumulator,
-    # which the Hopper dK/dV kernel rounds into dq itself (and leaves zero)
-    # and the others leave to a conversion kernel.
-    fused_dq = hopper and not prob.deterministic
     f_pre = var.function("flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV90_FORMAT if hopper else _DKDV_FORMAT)
+    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT)
     if prob.deterministic:
         f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT)
-    elif not fused_dq:
+    else:
         f_conv = var.function("flash_bwd_convert_dq", _CONVERT_FORMAT)
     conv = _mask_converter(prob, var)
 
@@ -554,22 +538,14 @@ def run_backward(prob: Problem, stream=None):
     dv = _output(prob.dv, (B, H, Nk, D), prob.dtype, prob.on_device)
     mask = _mask_input(prob.mask, stream, conv)
 
-    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator
-    # (for the fused dq in the zeroed workspace, after a count per head).
+    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator.
     rows = B * H * Nq
     off_l2 = _align(4 * rows)
     off_kl = off_l2 + _align(4 * rows)
     off_dq = off_kl + _align(4 * B)
-    total = off_dq + (0 if prob.deterministic or fused_dq else 4 * rows * D)
+    total = off_dq + (0 if prob.deterministic else 4 * rows * D)
     base = _workspace(stream).get(total, stream)
-    d_ptr, l2_ptr = base, base + off_l2
-    dqacc_ptr = count_ptr = 0
-    if fused_dq:
-        off_acc = _align(4 * B * H)
-        count_ptr = _zeroed_workspace(stream).get(off_acc + 4 * rows * D, stream)
-        dqacc_ptr = count_ptr + off_acc
-    elif not prob.deterministic:
-        dqacc_ptr = base + off_dq
+    d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
     kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
     lo, hi = _band(prob)
     itemsize = np.dtype(prob.dtype).itemsize
@@ -578,19 +554,13 @@ def run_backward(prob: Problem, stream=None):
     scale = np.float32(prob.scale)
     scale_log2 = np.float32(prob.scale * LOG2E)
 
-    # 1. Di = rowsum(dO o O), Li*log2(e); zero the dQ accumulator (unless fused).
-    warps = 8
-    rows_per_block = warps * _PRE_ROWS[var.dtype]
+    # 1. Di = rowsum(dO o O), Li*log2(e); the dQ accumulator zeroed.
+    row_blocks = ((rows + PRE_ROWS * PRE_WARPS - 1) // (PRE_ROWS * PRE_WARPS), 1, 1)
     f_pre.prepared_async_call(
-        ((rows + rows_per_block - 1) // rows_per_block, 1, 1), (32 * warps, 1, 1), stream,
-        do.ptr, o.ptr, lse.ptr, d_ptr, l2_ptr, H, Nq, D, rows,
+        row_blocks, (32 * PRE_WARPS, 1, 1), stream,
+        do.ptr, o.ptr, lse.ptr, d_ptr, l2_ptr, dqacc_ptr, H, Nq, D, rows,
         *_three(do.strides), *_three(o.strides), *_three(lse.strides),
     )
-    if dqacc_ptr and not fused_dq:
-        if stream is not None:
-            drv.memset_d32_async(dqacc_ptr, 0, rows * D, stream)
-        else:
-            drv.memset_d32(dqacc_ptr, 0, rows * D)
 
     # 2. dK, dV (and dQ by atomics): one block per key tile.
     keys, threads = var.backward_block()
@@ -601,10 +571,9 @@ def run_backward(prob: Problem, stream=None):
         *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
         *_three(dk.strides), *_three(dv.strides), *mask.strides,
         scale_log2, scale, lo, hi, vec,
-        *((dq.ptr, *_three(dq.strides), count_ptr) if hopper else ()),
         shared_size=var.smem("flash_bwd_dkdv_kernel"),
     )
-    # 3. dQ: deterministic kernel, or copy of the accumulator (unless fused).
+    # 3. dQ: deterministic kernel, or copy of the accumulator.
     if prob.deterministic:
         f_dq.prepared_async_call(
             ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
@@ -615,12 +584,10 @@ def run_backward(prob: Problem, stream=None):
             scale_log2, scale, lo, hi, vec,
             shared_size=var.smem("flash_bwd_dq_kernel"),
         )
-    elif not fused_dq:
-        n = rows * D
-        blocks = max(1, min((n + 255) // 256, 132 * 16))
+    else:
         f_conv.prepared_async_call(
-            (blocks, 1, 1), (256, 1, 1), stream,
-            dqacc_ptr, dq.ptr, H, Nq, D, n, *_three(dq.strides),
+            row_blocks, (32 * PRE_WARPS, 1, 1), stream,
+            dqacc_ptr, dq.ptr, H, Nq, D, rows, *_three(dq.strides), vec,
         )
     if not prob.on_device:
         _finish_host((dq, dk, dv), stream)
