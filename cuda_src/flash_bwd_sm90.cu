@@ -242,13 +242,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
         const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
 
-        // Whether this warpgroup's 64 keys meet the band in this query tile
-        // (the causal diagonal leaves whole warpgroup tiles outside it:
-        // their Pij^T and dSij^T are zero, so they skip their products).
-        const int kw0 = k0 + 64 * wg, i_last = min(i0 + B90_BR, Nq) - 1;
-        const bool wg_band = wg_live && kw0 <= i_last + band_hi && kw0 + 63 >= i0 + band_lo;
         u32 pT[B90_BR / 16][4], dsT[B90_BR / 16][4];
-        if (wg_band) {
+        if (wg_live) {
             // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
             float sT[ST_REGS], dpT[ST_REGS];
             wgmma_fence();
@@ -313,14 +308,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
         if (dQacc != nullptr) {
             // dSij^T into shared memory (row pairs of one key as 32-bit
-            // stores); an empty warpgroup's rows are zero from the start,
-            // a warpgroup outside the band writes zeros.
-            if (wg_band) {
-                store_dsT(dsT);
-            } else if (wg_live) {
-                const u32 zero[B90_BR / 16][4] = {};
-                store_dsT(zero);
-            }
+            // stores); an empty warpgroup's rows are zero from the start.
+            if (wg_live) store_dsT(dsT);
             fence_proxy_async();
             // dSij^T of both warpgroups is visible to the tensor cores.
             __syncthreads();
