@@ -21,7 +21,11 @@ Method
   several independent input sets: at least ``--min-sets`` (4) and enough that
   they total at least ``--min-mb`` (256 MB).  Call ``i`` uses set ``i mod n``.
 * Timing: CUDA events around every call, ``--warmup`` untimed calls first,
-  the median of ``--reps`` calls reported.  pycudaflash runs on its own
+  the median of ``--reps`` calls reported.  With ``--rounds R`` every
+  implementation of a config is timed R times in turn (ours, each peer,
+  ours, ...), ``--reps`` calls each, and the median of all R x reps calls
+  is reported, so that a change of the GPU's clock during a config falls on
+  every implementation alike.  pycudaflash runs on its own
   ``pycuda.driver.Stream`` (``pycudaflash.timing.time_cuda``); torch runs on
   its current stream, timed with ``torch.cuda.Event`` the same way.  The
   events measure device time; Python overhead shows only when the device
@@ -78,6 +82,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--hd-total", type=int, default=2048, help="heads are hd_total // head_dim")
     p.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each measurement")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every implementation of a config this many times in turn (median of all calls)")
     p.add_argument("--min-sets", type=int, default=4, help="minimum number of rotated input sets")
     p.add_argument("--min-mb", type=float, default=256.0, help="minimum total size of the input sets (MB)")
     p.add_argument("--layout", choices=("bhnd", "bnhd"), default="bhnd",
@@ -95,6 +101,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     for d in args.head_dim:
         if d < 1 or args.hd_total // d < 1:
             p.error(f"head dim {d} needs --hd-total >= {d}")
@@ -348,6 +356,27 @@ def run_ours(sets: List[InputSet], causal: bool, args: argparse.Namespace, strea
     return res
 
 
+def merge_rounds(rounds: List[ImplResult], flops_f: float, flops_b: float) -> ImplResult:
+    """One implementation's rounds of a config as one result: the first
+    round's name, error and checks, each pass timed by all calls of all
+    rounds (an error in any round makes that pass an error)."""
+    from pycudaflash.timing import TimingResult
+
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    res = ImplResult(first.name, check=dict(first.check), error=first.error)
+    for pas, flops in (("fwd", flops_f), ("bwd", flops_b)):
+        ms = [getattr(r, pas) for r in rounds]
+        bad = next((m for m in ms if m.error or m.timing is None), None)
+        if bad is not None:
+            setattr(res, pas, Measure(error=bad.error or "not timed"))
+            continue
+        times = [t for m in ms for t in m.timing["times_ms"]]
+        setattr(res, pas, _measure(TimingResult.from_times(times), flops))
+    return res
+
+
 def reference_check(arr: Any, s: InputSet, causal: bool) -> Dict[str, float]:
     """Relative-norm errors of ours against the float64 reference on slice [0, 0]."""
     from pycudaflash.reference import reference_backward, reference_forward
@@ -410,8 +439,9 @@ def _torch_rel(torch: Any, got: Any, ref: Any) -> float:
 
 
 def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: bool,
-             args: argparse.Namespace, flops_f: float, flops_b: float, ours: ImplResult) -> ImplResult:
-    """Time one torch SDPA backend on the same inputs; compare it with ours on set 0."""
+             args: argparse.Namespace, flops_f: float, flops_b: float, ours: ImplResult,
+             check: bool = True) -> ImplResult:
+    """Time one torch SDPA backend on the same inputs; with ``check``, compare it with ours on set 0."""
     from torch.nn.attention import sdpa_kernel
 
     F = torch.nn.functional
@@ -420,17 +450,17 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
     graphs: List[Any] = []
     try:
         with sdpa_kernel(backend):
-            # Check against ours on set 0 (ours' buffers hold its results).
-            s0 = sets[0]
-            qg, kg, vg = (t.detach().requires_grad_(True) for t in (s0.q, s0.k, s0.v))
-            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-            gq, gk, gv = torch.autograd.grad(o, (qg, kg, vg), s0.dout)
-            if ours.fwd.error is None:
-                res.check["out"] = _torch_rel(torch, s0.out, o)
-            if ours.bwd.error is None:
-                res.check.update(dq=_torch_rel(torch, s0.dq, gq), dk=_torch_rel(torch, s0.dk, gk),
-                                 dv=_torch_rel(torch, s0.dv, gv))
-            del qg, kg, vg, o, gq, gk, gv
+            if check:  # against ours on set 0 (ours' buffers hold its results)
+                s0 = sets[0]
+                qg, kg, vg = (t.detach().requires_grad_(True) for t in (s0.q, s0.k, s0.v))
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                gq, gk, gv = torch.autograd.grad(o, (qg, kg, vg), s0.dout)
+                if ours.fwd.error is None:
+                    res.check["out"] = _torch_rel(torch, s0.out, o)
+                if ours.bwd.error is None:
+                    res.check.update(dq=_torch_rel(torch, s0.dq, gq), dk=_torch_rel(torch, s0.dk, gk),
+                                     dv=_torch_rel(torch, s0.dv, gv))
+                del qg, kg, vg, o, gq, gk, gv
 
             def fwd(i: int) -> Any:
                 s = sets[i]
@@ -693,6 +723,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             print(f"  ours vs {name} (set 0): max relative-norm error "
                                   f"{max(p.check.values()):.2e} ("
                                   + ", ".join(f"{k} {v:.2e}" for k, v in p.check.items()) + ")")
+                    # Further rounds (--rounds): every implementation again, in the same order.
+                    later: Dict[str, List[ImplResult]] = {impl.name: [] for impl in [cres.ours] + cres.peers}
+                    for _ in range(args.rounds - 1):
+                        later[ours.name].append(run_ours(sets, causal, args, stream, ff, fb))
+                        for name, be, missing in peers:
+                            if not missing:
+                                arr.sync()
+                                later[name].append(run_peer(torch, name, be, sets, causal, args, ff, fb, ours,
+                                                            check=False))
+                    cres.ours = merge_rounds([cres.ours] + later[ours.name], ff, fb)
+                    cres.peers = [merge_rounds([p] + later[p.name], ff, fb) if later[p.name] else p
+                                  for p in cres.peers]
                     print_table([cres])
                     results.append(cres)
                     del sets

@@ -1,0 +1,52 @@
+"""scripts/bench.py pieces that need no GPU: option checks and the merging of timing rounds."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from pycudaflash.timing import TimingResult
+
+_SPEC = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(_SPEC)
+sys.modules.setdefault("bench", bench)  # (its dataclasses look their module up)
+_SPEC.loader.exec_module(bench)
+
+
+def _impl(name: str, fwd_ms, bwd_ms, flops=1e12) -> "bench.ImplResult":
+    r = bench.ImplResult(name)
+    r.fwd = bench._measure(TimingResult.from_times(fwd_ms), flops)
+    r.bwd = bench._measure(TimingResult.from_times(bwd_ms), 2.5 * flops)
+    return r
+
+
+def test_rounds_option() -> None:
+    assert bench.parse_args([]).rounds == 1
+    assert bench.parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
+
+
+def test_merge_rounds_pools_every_call() -> None:
+    first = _impl("pycudaflash", [1.0, 1.0, 1.2], [2.0, 2.2, 2.4])
+    first.check = {"out": 1e-4}
+    second = _impl("pycudaflash", [1.2, 1.3, 1.3], [2.6, 2.6, 2.8])
+    merged = bench.merge_rounds([first, second], 1e12, 2.5e12)
+    assert merged.name == "pycudaflash" and merged.check == {"out": 1e-4}
+    assert merged.fwd.timing["median_ms"] == pytest.approx(1.2)  # of all six calls
+    assert merged.bwd.timing["median_ms"] == pytest.approx(2.5)
+    assert merged.fwd.tflops == pytest.approx(1e12 / 1.2e-3 / 1e12)
+    assert len(merged.fwd.timing["times_ms"]) == 6
+    assert bench.merge_rounds([first], 1e12, 2.5e12) is first
+
+
+def test_merge_rounds_keeps_an_error() -> None:
+    ok = _impl("torch-flash", [1.0], [2.0])
+    failed = bench.ImplResult("torch-flash")
+    failed.bwd.error = "RuntimeError: boom"
+    failed.fwd = bench._measure(TimingResult.from_times([1.1]), 1e12)
+    merged = bench.merge_rounds([ok, failed], 1e12, 2.5e12)
+    assert merged.bwd.error == "RuntimeError: boom" and math.isnan(merged.bwd.ms)
+    assert merged.fwd.timing["median_ms"] == pytest.approx(1.05)
