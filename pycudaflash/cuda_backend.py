@@ -517,8 +517,6 @@ PRE_WARPS = 8  # warps per block of those kernels
 
 def run_backward(prob: Problem, stream=None):
     """Launch the backward pass; return ``(dq, dk, dv)``."""
-    import pycuda.driver as drv
-
     activate()
     _check_grid(prob)
     B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D

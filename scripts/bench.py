@@ -733,8 +733,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 later[name].append(run_peer(torch, name, be, sets, causal, args, ff, fb, ours,
                                                             check=False))
                     cres.ours = merge_rounds([cres.ours] + later[ours.name], ff, fb)
-                    cres.peers = [merge_rounds([p] + later[p.name], ff, fb) if later[p.name] else p
-                                  for p in cres.peers]
+                    cres.peers = [merge_rounds([p] + later[p.name], ff, fb) for p in cres.peers]
                     print_table([cres])
                     results.append(cres)
                     del sets

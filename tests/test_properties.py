@@ -449,27 +449,6 @@ _STREAM_PROBLEMS = (
 )
 
 
-def _launch(problem: AttentionProblem, x: Dict[str, Any], stream: Any) -> Tuple[Any, ...]:
-    """Forward then deterministic backward of one problem on ``stream``, no sync."""
-    B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
-    dev = {name: _to_device(x[name]) for name in ("q", "k", "v", "dout")}
-    kw = _device_kwargs(problem, x, "cuda")
-    bufs = (
-        _poisoned((B, H, Nq, D), np.float32, "cuda"),
-        _poisoned((B, H, Nq), np.float32, "cuda"),
-        _poisoned((B, H, Nq, D), np.float32, "cuda"),
-        _poisoned((B, H, Nk, D), np.float32, "cuda"),
-        _poisoned((B, H, Nk, D), np.float32, "cuda"),
-    )
-    out, lse, dq, dk, dv = bufs
-    flash_attn_forward(dev["q"], dev["k"], dev["v"], **kw, stream=stream, out=out, lse=lse)
-    flash_attn_backward(
-        dev["dout"], dev["q"], dev["k"], dev["v"], out, lse, **kw,
-        deterministic=True, stream=stream, dq=dq, dk=dk, dv=dv,
-    )
-    return bufs + tuple(dev.values())  # keep the inputs alive until synchronised
-
-
 @pytest.mark.gpu
 def test_two_streams_match_single_runs(cuda: None) -> None:
     import pycuda.driver as drv
@@ -477,12 +456,12 @@ def test_two_streams_match_single_runs(cuda: None) -> None:
     inputs = [make_inputs(p) for p in _STREAM_PROBLEMS]
     alone = []
     for p, x in zip(_STREAM_PROBLEMS, inputs):
-        bufs = _launch(p, x, None)
+        bufs = _launch_backward(p, x, "cuda", deterministic=True)
         drv.Context.synchronize()
         alone.append(_bytes(*bufs[:5]))
 
     streams = [drv.Stream(), drv.Stream()]
-    launched = [_launch(p, x, s) for p, x, s in zip(_STREAM_PROBLEMS, inputs, streams)]
+    launched = [_launch_backward(p, x, "cuda", deterministic=True, stream=s) for p, x, s in zip(_STREAM_PROBLEMS, inputs, streams)]
     for s in streams:
         s.synchronize()
     together = [_bytes(*bufs[:5]) for bufs in launched]
