@@ -25,7 +25,12 @@ Method
   implementation of a config is timed R times in turn (ours, each peer,
   ours, ...), ``--reps`` calls each, and the median of all R x reps calls
   is reported, so that a change of the GPU's clock during a config falls on
-  every implementation alike.  pycudaflash runs on its own
+  every implementation alike.  Before each implementation's timed calls the
+  device is synchronised and left idle for ``--settle`` seconds (0.5): the
+  GPU's clock lags its power draw, and a kernel timed right after a heavier
+  one (cuDNN's) otherwise runs for the first 100 ms or so at a lower clock
+  than it holds on its own (seen on the H200: our N 4096 forward 8-15 %
+  slower in every round that followed cuDNN's, none without it).  pycudaflash runs on its own
   ``pycuda.driver.Stream`` (``pycudaflash.timing.time_cuda``); torch runs on
   its current stream, timed with ``torch.cuda.Event`` the same way.  The
   events measure device time; Python overhead shows only when the device
@@ -84,6 +89,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed calls before each measurement")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every implementation of a config this many times in turn (median of all calls)")
+    p.add_argument("--settle", type=float, default=0.5,
+                   help="seconds the idle device settles before each implementation's timed calls")
     p.add_argument("--min-sets", type=int, default=4, help="minimum number of rotated input sets")
     p.add_argument("--min-mb", type=float, default=256.0, help="minimum total size of the input sets (MB)")
     p.add_argument("--layout", choices=("bhnd", "bnhd"), default="bhnd",
@@ -103,6 +110,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--reps must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if not 0 <= args.settle <= 60:
+        p.error("--settle must be between 0 and 60 seconds")
     for d in args.head_dim:
         if d < 1 or args.hd_total // d < 1:
             p.error(f"head dim {d} needs --hd-total >= {d}")
@@ -313,6 +322,16 @@ def _measure(timing: Any, flops: float) -> Measure:
 # --------------------------------------------------------------------------
 
 
+def settle(seconds: float) -> None:
+    """Wait for all of the device's work, then leave it idle ``seconds``
+    (the same start for every implementation's timed calls: see --settle)."""
+    import pycuda.driver as drv
+
+    drv.Context.synchronize()
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def run_ours(sets: List[InputSet], causal: bool, args: argparse.Namespace, stream: Any,
              flops_f: float, flops_b: float) -> ImplResult:
     """Time pycudaflash's forward, then (after one forward per set) its backward."""
@@ -338,6 +357,7 @@ def run_ours(sets: List[InputSet], causal: bool, args: argparse.Namespace, strea
                             dtype=dtype)
 
     try:
+        settle(args.settle)
         timing = time_cuda(fwd, stream=stream, warmup=args.warmup, repeat=args.reps, rotate=n)
         res.fwd = _measure(timing, flops_f)
     except Exception as exc:
@@ -466,6 +486,7 @@ def run_peer(torch: Any, name: str, backend: Any, sets: List[InputSet], causal: 
                 s = sets[i]
                 return F.scaled_dot_product_attention(s.q, s.k, s.v, is_causal=causal)
 
+            settle(args.settle)
             with torch.no_grad():
                 timing = time_torch(torch, fwd, warmup=args.warmup, repeat=args.reps, rotate=n)
                 res.fwd = _measure(timing, flops_f)

@@ -50,3 +50,27 @@ def test_merge_rounds_keeps_an_error() -> None:
     merged = bench.merge_rounds([ok, failed], 1e12, 2.5e12)
     assert merged.bwd.error == "RuntimeError: boom" and math.isnan(merged.bwd.ms)
     assert merged.fwd.timing["median_ms"] == pytest.approx(1.05)
+
+
+def test_settle_option() -> None:
+    assert bench.parse_args([]).settle == 0.5
+    assert bench.parse_args(["--settle", "0"]).settle == 0.0
+    for bad in ("-0.1", "61"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--settle", bad])
+
+
+def test_settle_synchronises_then_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    calls = []
+    drv = types.ModuleType("pycuda.driver")
+    drv.Context = types.SimpleNamespace(synchronize=lambda: calls.append("sync"))
+    pycuda = types.ModuleType("pycuda")
+    pycuda.driver = drv
+    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    monkeypatch.setattr(bench.time, "sleep", lambda s: calls.append(("sleep", s)))
+    bench.settle(0.25)
+    bench.settle(0.0)
+    assert calls == ["sync", ("sleep", 0.25), "sync"]
