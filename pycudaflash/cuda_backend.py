@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
