@@ -159,29 +159,28 @@ class _JobCounter:
         drv.memset_d32(self.alloc, 0, 2)
 
 
-# Per (context, stream) state: name -> {(context handle, stream handle): object}.
-_per_stream: Dict[str, Dict[Tuple[int, int], Any]] = {"workspace": {}, "jobs": {}}
-_FACTORIES = {"workspace": _Workspace, "jobs": _JobCounter}
+# Device state of each (context handle, stream handle), made on first use.
+_workspaces: Dict[Tuple[int, int], _Workspace] = {}
+_job_counters: Dict[Tuple[int, int], _JobCounter] = {}
 
 
-def _stream_state(name: str, stream):
-    """The ``name`` state of the current context and ``stream`` (made on first use)."""
+def _stream_state(table: Dict[Tuple[int, int], Any], make, stream):
+    """``table``'s object for the current context and ``stream`` (``make()`` on first use)."""
     import pycuda.driver as drv
 
     key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
-    table = _per_stream[name]
     obj = table.get(key)
     if obj is None:
-        obj = table[key] = _FACTORIES[name]()
+        obj = table[key] = make()
     return obj
 
 
 def _workspace(stream) -> _Workspace:
-    return _stream_state("workspace", stream)
+    return _stream_state(_workspaces, _Workspace, stream)
 
 
 def _job_counter(stream) -> int:
-    return int(_stream_state("jobs", stream).alloc)
+    return int(_stream_state(_job_counters, _JobCounter, stream).alloc)
 
 
 def _align(n: int, a: int = 256) -> int:

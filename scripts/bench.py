@@ -30,9 +30,10 @@ Method
   GPU's clock lags its power draw, and a kernel timed right after a heavier
   one (cuDNN's) otherwise runs for the first 100 ms or so at a lower clock
   than it holds on its own (seen on the H200: our N 4096 forward 8-15 %
-  slower in every round that followed cuDNN's, none without it).  pycudaflash runs on its own
-  ``pycuda.driver.Stream`` (``pycudaflash.timing.time_cuda``); torch runs on
-  its current stream, timed with ``torch.cuda.Event`` the same way.  The
+  slower in every round that followed cuDNN's, none without it).
+  pycudaflash runs on its own ``pycuda.driver.Stream``
+  (``pycudaflash.timing.time_cuda``); torch runs on its current stream,
+  timed with ``torch.cuda.Event`` the same way.  The
   events measure device time; Python overhead shows only when the device
   runs out of queued work (small problems).
 * Backward: only the backward call is timed.  pycudaflash's forward is run

@@ -9,7 +9,8 @@ import pytest
 
 from pycudaflash.timing import TimingResult
 
-_SPEC = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "scripts" / "bench.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "bench", Path(__file__).resolve().parents[1] / "scripts" / "bench.py")
 bench = importlib.util.module_from_spec(_SPEC)
 sys.modules.setdefault("bench", bench)  # (its dataclasses look their module up)
 _SPEC.loader.exec_module(bench)

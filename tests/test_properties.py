@@ -461,7 +461,8 @@ def test_two_streams_match_single_runs(cuda: None) -> None:
         alone.append(_bytes(*bufs[:5]))
 
     streams = [drv.Stream(), drv.Stream()]
-    launched = [_launch_backward(p, x, "cuda", deterministic=True, stream=s) for p, x, s in zip(_STREAM_PROBLEMS, inputs, streams)]
+    launched = [_launch_backward(p, x, "cuda", deterministic=True, stream=s)
+                for p, x, s in zip(_STREAM_PROBLEMS, inputs, streams)]
     for s in streams:
         s.synchronize()
     together = [_bytes(*bufs[:5]) for bufs in launched]
@@ -488,7 +489,7 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     # The kernels the library picks by default (a session-scoped 'cuda-mma'
     # run may still have the Hopper kernels switched off).
     monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
-    counters = cuda_backend._per_stream["jobs"]
+    counters = cuda_backend._job_counters
     counters_before = len(counters)
     inputs = [make_inputs(p) for p in _PERSISTENT_PROBLEMS]
     alone = []
@@ -530,7 +531,9 @@ _ROW_KERNEL_PROBLEMS = (
 
 
 @pytest.mark.gpu
-def test_backward_accumulator_reused_across_calls_and_streams(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backward_accumulator_reused_across_calls_and_streams(
+    cuda: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The non-deterministic backward (dQ accumulator zeroed by the
     preprocess kernel, rounded by the conversion kernel, both PRE_ROWS rows
     a warp: row counts 301*6, 129*3, 97*3, 65*3 end inside a warp's rows) is
