@@ -680,3 +680,110 @@ def describe_kind(op: Optional[Operand]) -> str:
     if op is None:
         return "absent"
     return "a numpy (host) array" if op.kind == "host" else "a device array"
+
+
+# --------------------------------------------------------------------------
+# Overlap of arrays (output buffers must not alias inputs or each other)
+# --------------------------------------------------------------------------
+
+
+def byte_span(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from an array's first element to the end of its last (strides in elements, >= 0)."""
+    if any(int(n) == 0 for n in shape):
+        return 0
+    return itemsize * (1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, strides)))
+
+
+class _AddressOnly:
+    """An ``__array_interface__`` over a device address, so that numpy can
+    reason about overlap; numpy never reads the memory."""
+
+    def __init__(self, ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
+        self.__array_interface__ = {
+            "data": (int(ptr), True), "shape": tuple(int(n) for n in shape),
+            "strides": tuple(int(s) * itemsize for s in strides), "typestr": f"|V{itemsize}", "version": 3,
+        }
+
+
+def _address_view(op: Operand) -> np.ndarray:
+    if op.kind == "host":
+        return op.array
+    return np.asarray(_AddressOnly(op.ptr, op.shape, op.strides, op.dtype.itemsize))
+
+
+def overlaps(a: Operand, b: Operand) -> bool:
+    """Whether two operands of the same kind share any element's bytes.
+
+    Address intervals first; where they meet (interleaved layouts such as
+    q, k, v slices of one packed tensor), numpy's exact test.  A layout too
+    hard to decide counts as overlapping.
+    """
+    if a.kind != b.kind:
+        return False
+    if a.kind == "device":
+        sa = byte_span(a.shape, a.strides, a.dtype.itemsize)
+        sb = byte_span(b.shape, b.strides, b.dtype.itemsize)
+        if sa == 0 or sb == 0 or a.ptr + sa <= b.ptr or b.ptr + sb <= a.ptr:
+            return False
+    try:
+        return bool(np.shares_memory(_address_view(a), _address_view(b), max_work=100_000))
+    except np.exceptions.TooHardError if hasattr(np, "exceptions") else np.TooHardError:
+        return True
+
+
+# --------------------------------------------------------------------------
+# torch CPU tensors: run as numpy views, answered as torch tensors
+# --------------------------------------------------------------------------
+
+
+def is_torch_cpu(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor in host memory (torch already imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cpu"
+
+
+def torch_cpu_to_numpy(t: Any, name: str) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    import torch
+
+    if not is_torch_cpu(t):
+        raise TypeError(
+            f"{name} must be a torch CPU tensor like q (all arrays of a call are of one kind), "
+            f"got {type(t).__name__}" + (f" on {t.device}" if isinstance(t, torch.Tensor) else "")
+        )
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def numpy_to_torch(a: np.ndarray) -> Any:
+    """A CPU tensor sharing ``a``'s memory (bfloat16 through its bits)."""
+    import torch
+
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def torch_cpu_call(fn: Any, positional: Sequence[Any], arrays: Mapping[str, Any], out_names: Sequence[str],
+                   kwargs: Mapping[str, Any]) -> Tuple[Any, ...]:
+    """Call ``fn`` (a public entry point) on numpy views of torch CPU tensors; return torch tensors.
+
+    Output buffers given as tensors are written through their views and
+    returned as given; outputs ``fn`` allocates come back as tensors
+    sharing the numpy results' memory.
+    """
+    names = ("q", "k", "v") if len(positional) == 3 else ("dout", "q", "k", "v", "out", "lse")
+    args = [torch_cpu_to_numpy(a, n) for a, n in zip(positional, names)]
+    views = {n: (None if a is None else torch_cpu_to_numpy(a, n)) for n, a in arrays.items()}
+    kw = dict(kwargs)
+    kl = kw.get("key_lengths")
+    if is_torch_cpu(kl):
+        kw["key_lengths"] = kl.numpy()
+    results = fn(*args, **views, **kw)
+    return tuple(
+        arrays[n] if arrays.get(n) is not None else numpy_to_torch(r) for n, r in zip(out_names, results)
+    )

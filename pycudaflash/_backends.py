@@ -12,16 +12,21 @@ BACKENDS = ("cuda", "numpy")
 
 @functools.lru_cache(maxsize=None)
 def cuda_status() -> Tuple[bool, str]:
-    """``(usable, reason)``: whether PyCUDA imports and sees a CUDA device."""
+    """``(usable, reason)``: whether PyCUDA (which compiles the kernels) and NVIDIA's
+    cuda-bindings (which launch them) import, and the driver sees a CUDA device."""
     try:
-        import pycuda.driver as drv
+        import pycuda.compiler  # noqa: F401
     except Exception as exc:  # ImportError, or a missing libcuda
         return False, f"PyCUDA is not importable ({type(exc).__name__}: {exc})"
     try:
-        drv.init()
-        count = drv.Device.count()
+        from . import _driver
+
+        _driver.driver()
+        count = int(_driver.check("cuDeviceGetCount"))
+    except ImportError as exc:
+        return False, f"cuda-bindings is not importable ({exc}): pip install cuda-bindings"
     except Exception as exc:
-        return False, f"the CUDA driver could not be initialised ({exc})"
+        return False, f"the CUDA driver could not be initialised ({type(exc).__name__}: {exc})"
     if count < 1:
         return False, "no CUDA device is present"
     return True, f"{count} CUDA device(s)"
@@ -37,15 +42,9 @@ def choose_backend(prob: Problem, backend: Optional[str], stream: Any) -> str:
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'cuda' or 'numpy', got {backend!r}")
     if stream is not None:
-        ok = False
-        try:
-            import pycuda.driver as drv
+        from ._streams import stream_handle
 
-            ok = isinstance(stream, drv.Stream)
-        except Exception:
-            ok = False
-        if not ok:
-            raise TypeError(f"stream must be None or a pycuda.driver.Stream, got {type(stream).__name__}")
+        stream_handle(stream)  # (TypeError for anything that is not a stream)
     if prob.on_device:
         if backend == "numpy":
             raise ValueError("backend='numpy' needs host (numpy) arrays, got device arrays")

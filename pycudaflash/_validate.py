@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from . import semantics
-from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only
+from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only, overlaps
 from ._problem import Operand, Problem
 
 __all__ = [
@@ -134,6 +134,7 @@ def validate_forward(
     _check_lse(ops["lse"], dims)
     _check_layouts(ops, ("q", "k", "v", "out", "lse"))
     _check_outputs(ops, ("out", "lse"))
+    _check_no_aliasing(ops, ("out", "lse"), ("q", "k", "v", "mask"))
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=False, opaque_dtype=explicit,
@@ -214,6 +215,7 @@ def validate_backward(
     _check_lse(ops["lse"], dims)
     _check_layouts(ops, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
     _check_outputs(ops, ("dq", "dk", "dv"))
+    _check_no_aliasing(ops, ("dq", "dk", "dv"), ("dout", "q", "k", "v", "out", "lse", "mask"))
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=deterministic, opaque_dtype=explicit,
@@ -433,6 +435,21 @@ def _check_outputs(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> N
                 )
 
 
+def _check_no_aliasing(
+    ops: Dict[str, Optional[Operand]], outputs: Sequence[str], inputs: Sequence[str]
+) -> None:
+    """No output buffer may share memory with an input or with another output."""
+    outs = list(_present(ops, outputs))
+    others = list(_present(ops, inputs))
+    for i, op in enumerate(outs):
+        for other in outs[:i] + others:
+            if overlaps(op, other):
+                raise ValueError(
+                    f"output buffer {op.name} overlaps {other.name}: outputs must not share memory "
+                    "with the inputs or with each other"
+                )
+
+
 # --------------------------------------------------------------------------
 # options, mask, key lengths, and the Problem itself
 # --------------------------------------------------------------------------
@@ -559,7 +576,10 @@ def _check_key_lengths_values(lengths: np.ndarray, nk: int) -> None:
 
 
 def _device_to_host(op: Operand) -> np.ndarray:
-    """Copy a (small) device operand to a new host array with PyCUDA.
+    """Copy a (small) device operand to a new host array.
+
+    The copy runs in the operand's context (see
+    :func:`pycudaflash._driver.enter`), which is popped again afterwards.
 
     Parameters
     ----------
@@ -574,22 +594,25 @@ def _device_to_host(op: Operand) -> np.ndarray:
     Raises
     ------
     RuntimeError
-        If PyCUDA cannot be imported.
+        If the CUDA backend is unusable here.
     """
     if any(size == 0 for size in op.shape):
         return np.empty(op.shape, dtype=op.dtype)
-    try:
-        import pycuda.driver as drv
-    except Exception as exc:
-        raise RuntimeError(
-            f"copying device {op.name} to the host needs PyCUDA ({type(exc).__name__}: {exc})"
-        ) from exc
-    from . import cuda_backend
+    from . import _driver
+    from ._backends import cuda_status
 
-    cuda_backend.activate()  # the copy needs the primary context current
+    usable, reason = cuda_status()
+    if not usable:
+        raise RuntimeError(f"copying device {op.name} to the host needs the CUDA backend: {reason}")
+    from .cuda_backend import _device_hint
+
     span = 1 + sum((size - 1) * stride for size, stride in zip(op.shape, op.strides))
     flat = np.empty(span, dtype=op.dtype)
-    drv.memcpy_dtoh(flat, op.ptr)
+    ctx, pushed = _driver.enter(_device_hint(op.obj))
+    try:
+        _driver.check("cuMemcpyDtoH", flat.ctypes.data, op.ptr, flat.nbytes)
+    finally:
+        _driver.leave(pushed)
     itemsize = op.dtype.itemsize
     view = np.lib.stride_tricks.as_strided(
         flat, shape=op.shape, strides=tuple(stride * itemsize for stride in op.strides)

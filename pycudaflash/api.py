@@ -6,13 +6,21 @@ validated :class:`~pycudaflash._problem.Problem` then goes to one backend:
 
 * ``'cuda'``: the PyCUDA kernels in ``cuda_src/`` (``pycudaflash.cuda_backend``);
 * ``'numpy'``: the same tiled algorithm in NumPy (``pycudaflash.cpu``).
+
+Results come back as the inputs' kind: torch tensors for torch tensors (CPU
+tensors run on the NumPy backend), cupy arrays for cupy arrays, pycuda
+``GPUArray``s for ``GPUArray``s and other device arrays, numpy arrays for
+numpy arrays.  A repeated call on device arrays with the same signature
+(shapes, strides, dtypes, options) skips validation and planning
+(``pycudaflash._calls``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from . import _validate, cpu
+from . import _calls, _driver, _validate, cpu
+from ._arrays import is_torch_cpu, torch_cpu_call
 from ._backends import choose_backend
 
 ArrayLike = Any
@@ -62,10 +70,14 @@ def flash_attn_forward(
         Keys at or past ``key_lengths[b]`` are masked (padding).
     scale : float, optional
         Score scale, default ``1/sqrt(D)``.
-    stream : pycuda.driver.Stream, optional
-        Stream for all work and temporaries (None: the default stream).
+    stream : stream, optional
+        Stream for all work and temporaries: a pycuda ``Stream``, a torch or
+        cupy stream, an object with ``__cuda_stream__``, or a ``CUstream``
+        handle (int).  None: torch's current stream for torch tensors,
+        cupy's for cupy arrays, else the default stream.
     out, lse : arrays, optional
-        Output buffers, (B, H, Nq, D) like ``q`` and (B, H, Nq) float32.
+        Output buffers, (B, H, Nq, D) like ``q`` and (B, H, Nq) float32;
+        they must not overlap any input or each other.
     backend : {'cuda', 'numpy'}, optional
         Force a backend; by default device inputs run on CUDA and numpy inputs
         on CUDA when a GPU is usable, else on the NumPy backend.
@@ -85,6 +97,27 @@ def flash_attn_forward(
         Natural-log log-sum-exp of each row's scores; ``-inf`` for a row that
         sees no key (its ``out`` row is 0).
     """
+    if is_torch_cpu(q):
+        return torch_cpu_call(
+            flash_attn_forward, (q, k, v), dict(out=out, lse=lse, mask=mask), ("out", "lse"),
+            dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale, stream=stream,
+                 backend=backend or "numpy", dtype=dtype),
+        )
+    options = (causal, window, scale, backend, dtype)
+    sig = None if backend == "numpy" else _calls.signature("fwd", (q, k, v, out, lse, mask), options, key_lengths)
+    if sig is not None:
+        key, ptrs, ctx, pushed = sig
+        try:
+            hit = _calls.lookup(key)
+            if hit is not None and (out is None and lse is None
+                                    or _calls.outputs_disjoint(ptrs, hit[3], (3, 4))):
+                from . import cuda_backend
+
+                plan, _, device, _ = hit
+                handle = cuda_backend.stream_for(stream, q)
+                return cuda_backend.launch_forward(plan, ctx, device, handle, ptrs, (q, k, v, out, lse, mask))
+        finally:
+            _driver.leave(pushed)
     prob = _validate.validate_forward(
         q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
         scale=scale, out=out, lse=lse, dtype=dtype,
@@ -94,7 +127,8 @@ def flash_attn_forward(
         return cpu.run_forward(prob)
     from . import cuda_backend
 
-    return cuda_backend.run_forward(prob, stream)
+    keep = _calls.keeper(sig[0], prob, ("q", "k", "v", "out", "lse", "mask")) if sig is not None else None
+    return cuda_backend.run_forward(prob, stream, keep)
 
 
 def flash_attn_backward(
@@ -131,10 +165,11 @@ def flash_attn_backward(
     deterministic : bool, optional
         If True, results are bit-identical run to run (no floating-point
         atomics in the dQ reduction).
-    stream : pycuda.driver.Stream, optional
-        Stream for all work and temporaries.
+    stream : stream, optional
+        As in :func:`flash_attn_forward`.
     dq, dk, dv : arrays, optional
-        Output buffers shaped like q, k and v.
+        Output buffers shaped like q, k and v; they must not overlap any
+        input or each other.
     backend : {'cuda', 'numpy'}, optional
         As in :func:`flash_attn_forward`.
     dtype : str or dtype, optional
@@ -147,6 +182,29 @@ def flash_attn_backward(
         Gradients of the loss, in the dtype of ``q``; rows that saw no key
         give zero gradients.
     """
+    if is_torch_cpu(q):
+        return torch_cpu_call(
+            _backward_positional, (dout, q, k, v, out, lse), dict(dq=dq, dk=dk, dv=dv, mask=mask),
+            ("dq", "dk", "dv"),
+            dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale,
+                 deterministic=deterministic, stream=stream, backend=backend or "numpy", dtype=dtype),
+        )
+    options = (causal, window, scale, deterministic, backend, dtype)
+    arrays = (q, k, v, out, dout, lse, dq, dk, dv, mask)  # (the backend's BWD_OPERANDS order)
+    sig = None if backend == "numpy" else _calls.signature("bwd", arrays, options, key_lengths)
+    if sig is not None:
+        key, ptrs, ctx, pushed = sig
+        try:
+            hit = _calls.lookup(key)
+            if hit is not None and (dq is None and dk is None and dv is None
+                                    or _calls.outputs_disjoint(ptrs, hit[3], (6, 7, 8))):
+                from . import cuda_backend
+
+                plan, _, device, _ = hit
+                handle = cuda_backend.stream_for(stream, q)
+                return cuda_backend.launch_backward(plan, ctx, device, handle, ptrs, arrays)
+        finally:
+            _driver.leave(pushed)
     prob = _validate.validate_backward(
         dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
         key_lengths=key_lengths, scale=scale, deterministic=deterministic,
@@ -157,4 +215,11 @@ def flash_attn_backward(
         return cpu.run_backward(prob)
     from . import cuda_backend
 
-    return cuda_backend.run_backward(prob, stream)
+    keep = (_calls.keeper(sig[0], prob, ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask"))
+            if sig is not None else None)
+    return cuda_backend.run_backward(prob, stream, keep)
+
+
+def _backward_positional(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
+                         lse: ArrayLike, **kwargs: Any) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
+    return flash_attn_backward(dout, q, k, v, out, lse, **kwargs)

@@ -9,10 +9,10 @@ This module is the only place that knows how a kernel variant is built:
 * its source is the pass's files (the common headers, then the ``.cu``)
   pasted together (no ``#include``, so PyCUDA's disk cache is keyed on the
   plain text);
-* it is compiled by PyCUDA's ``SourceModule`` with ``no_extern_c=True`` for the
-  current device's architecture (``sm_90a`` for the ``*_sm90`` passes),
-  cached on disk by PyCUDA (``cache_dir()``) and in memory per (context,
-  variant) on top of that.
+* it is compiled to a cubin by PyCUDA's ``compile`` with ``no_extern_c=True``
+  for the current device's architecture (``sm_90a`` for the ``*_sm90``
+  passes), cached on disk by PyCUDA (``cache_dir()``), loaded through the
+  driver (``pycudaflash._driver``) and kept per (context, variant).
 
 :func:`compile_offline` runs the same compilation through ``nvcc`` alone (no
 GPU needed) and reports registers and spills; the test suite uses it to
@@ -430,18 +430,17 @@ def nvcc_version(nvcc: str = "nvcc") -> str:
 
 _lock = threading.Lock()
 _modules: Dict[tuple, object] = {}
-_functions: Dict[tuple, object] = {}
 compiled_variants: List[Tuple[str, Tuple[Tuple[str, int], ...]]] = []
 
 
 def context_key() -> int:
     """Handle of the current CUDA context: the key of the per-context caches."""
-    import pycuda.driver as drv
+    from . import _driver
 
-    ctx = drv.Context.get_current()
-    if ctx is None:
-        raise RuntimeError("no current CUDA context (call pycudaflash.cuda_backend.activate())")
-    return int(ctx.handle)
+    ctx = _driver.current_context()
+    if not ctx:
+        raise RuntimeError("no current CUDA context")
+    return ctx
 
 
 _arches: Dict[int, str] = {}
@@ -449,19 +448,27 @@ _arches: Dict[int, str] = {}
 
 def arch_of_current_device() -> str:
     """``sm_XY`` of the current context's device (memoised per context)."""
-    import pycuda.driver as drv
+    from . import _driver
 
     key = context_key()
     arch = _arches.get(key)
     if arch is None:
-        major, minor = drv.Context.get_device().compute_capability()
+        major, minor = _driver.compute_capability(_driver.context_device(key))
         arch = _arches[key] = f"sm_{major}{minor}"
     return arch
 
 
+def cubin(pass_: str, defs: Dict[str, int], arch: str) -> bytes:
+    """The cubin of a variant for ``arch``, compiled by PyCUDA (through its disk cache)."""
+    from pycuda.compiler import compile as pycuda_compile
+
+    return pycuda_compile(source(pass_), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
+                          cache_dir=_explicit_cache_dir())
+
+
 def get_module(pass_: str, defs: Dict[str, int]):
-    """The compiled module of a variant in the current context (memoised)."""
-    from pycuda.compiler import SourceModule
+    """The variant's module (:class:`pycudaflash._driver.Module`) in the current context (memoised)."""
+    from . import _driver
 
     key = (context_key(), pass_, tuple(sorted(defs.items())))
     mod = _modules.get(key)
@@ -470,67 +477,61 @@ def get_module(pass_: str, defs: Dict[str, int]):
     with _lock:
         mod = _modules.get(key)
         if mod is None:
-            mod = SourceModule(
-                source(pass_),
-                options=options(defs),
-                arch=build_arch(pass_, arch_of_current_device()),
-                no_extern_c=True,
-                cache_dir=_explicit_cache_dir(),
-            )
-            _modules[key] = mod
+            mod = _modules[key] = _driver.Module(cubin(pass_, defs, arch_of_current_device()))
             compiled_variants.append((pass_, key[2]))
     return mod
 
 
 def resident_blocks(fn, threads: int, smem: int) -> int:
-    """Blocks of the prepared kernel ``fn`` that one SM holds at once.
+    """Blocks of the kernel ``fn`` (a CUfunction of the current context) that one SM holds at once.
 
     The occupancy rules of the current device: registers (allocated per warp
     in units of 256), shared memory (dynamic ``smem``, static, and what the
     driver reserves per block), threads and blocks per SM.
     """
-    import pycuda.driver as drv
+    from . import _driver
 
-    dev = drv.Context.get_device()
-    a = drv.device_attribute
+    dev = _driver.context_device(context_key())
+
+    def attr(name: str) -> int:
+        return _driver.device_attribute(dev, name)
+
+    num_regs = _driver.function_attribute(fn, "NUM_REGS")
     warps = -(-threads // 32)
-    regs_per_warp = -(-fn.num_regs * 32 // 256) * 256
-    by_regs = (dev.get_attribute(a.MAX_REGISTERS_PER_MULTIPROCESSOR) // max(regs_per_warp, 1)) // warps
-    per_block = smem + fn.shared_size_bytes + dev.get_attribute(a.RESERVED_SHARED_MEMORY_PER_BLOCK)
-    by_smem = dev.get_attribute(a.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) // per_block
-    by_threads = dev.get_attribute(a.MAX_THREADS_PER_MULTIPROCESSOR) // threads
-    n = min(by_regs, by_smem, by_threads, dev.get_attribute(a.MAX_BLOCKS_PER_MULTIPROCESSOR))
+    regs_per_warp = -(-num_regs * 32 // 256) * 256
+    by_regs = (attr("MAX_REGISTERS_PER_MULTIPROCESSOR") // max(regs_per_warp, 1)) // warps
+    per_block = smem + _driver.function_attribute(fn, "SHARED_SIZE_BYTES") + attr("RESERVED_SHARED_MEMORY_PER_BLOCK")
+    by_smem = attr("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR") // per_block
+    by_threads = attr("MAX_THREADS_PER_MULTIPROCESSOR") // threads
+    n = min(by_regs, by_smem, by_threads, attr("MAX_BLOCKS_PER_MULTIPROCESSOR"))
     if n < 1:
-        raise RuntimeError(f"a block of {threads} threads, {fn.num_regs} registers and {per_block} bytes of shared "
+        raise RuntimeError(f"a block of {threads} threads, {num_regs} registers and {per_block} bytes of shared "
                            "memory does not fit one SM of this device")
     return n
 
 
-def get_function(pass_: str, defs: Dict[str, int], name: str, arg_format: str, smem: int = 0):
-    """A prepared kernel function with its dynamic shared memory limit raised to ``smem``."""
-    import pycuda.driver as drv
+def get_function(pass_: str, defs: Dict[str, int], name: str, smem: int = 0):
+    """The CUfunction ``name`` of a variant, its dynamic shared-memory limit raised to ``smem``."""
+    from . import _driver
 
-    key = (context_key(), pass_, tuple(sorted(defs.items())), name)
-    fn = _functions.get(key)
-    if fn is not None:
-        return fn
     mod = get_module(pass_, defs)
-    fn = mod.get_function(name)
-    fn.prepare(arg_format)
+    known = name in mod._functions
+    fn = mod.function(name)
+    if known:
+        return fn
     if smem > 48 * 1024:
-        dev = drv.Context.get_device()
-        limit = dev.get_attribute(drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        limit = _driver.device_attribute(_driver.context_device(context_key()),
+                                         "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
         if smem > limit:
             raise RuntimeError(
                 f"{name} (head dim bucket {defs.get('HEAD_DIM')}) needs {smem} bytes of shared "
                 f"memory; this device allows {limit} per block"
             )
-        fn.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        _driver.set_function_attribute(fn, "MAX_DYNAMIC_SHARED_SIZE_BYTES", smem)
     if smem > 0:
         # Ask for the largest shared-memory carveout, so that as many blocks as
         # the registers allow also fit by shared memory.
-        fn.set_attribute(drv.function_attribute.PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-    _functions[key] = fn
+        _driver.set_function_attribute(fn, "PREFERRED_SHARED_MEMORY_CARVEOUT", 100)
     return fn
 
 

@@ -1,336 +1,217 @@
-"""CUDA backend: launches the kernels of ``cuda_src/`` through PyCUDA.
+"""CUDA backend: launches the kernels of ``cuda_src/`` on any stream.
 
-Everything here runs after validation; it receives a
-:class:`~pycudaflash._problem.Problem` and a stream.  The library works in the
-device's *primary* context (shared with PyTorch and CuPy in the same
-process): :func:`activate` retains it and makes it current.  All launches,
-copies and temporaries go on the caller's stream; the host waits only when
-numpy results must come back.
+Everything here runs after validation.  A validated
+:class:`~pycudaflash._problem.Problem` becomes a *plan* (:class:`ForwardPlan`,
+:class:`BackwardPlan`): the kernels, grids, shared-memory sizes and packed
+kernel parameters of one call signature, with only the device pointers left
+to fill in.  A plan is built once per signature (``pycudaflash.api`` and
+``pycudaflash.torch`` keep them) and then launched with fresh pointers on
+any stream, which is all a repeated call costs.
+
+Launches go through the driver (``pycudaflash._driver``, on NVIDIA's
+``cuda-bindings``), so a call runs on whatever stream it is given: a pycuda,
+torch or cupy stream or a raw handle.  A call runs in the current context
+when it is on the arrays' device (torch and cupy bind the device's primary
+context), else in the device's primary context, pushed for the call and
+popped before it returns: no context is ever left pushed.
+
+Memory: outputs the caller did not pass are allocated as the inputs' kind
+(torch tensors through torch's caching allocator, cupy arrays through
+cupy's, anything else as pycuda ``GPUArray``s from a memory pool).  A call's
+workspace comes from torch's allocator on torch's current stream, else from
+a stream-ordered pool of this library (``cuMemAllocFromPoolAsync``), so no
+call synchronises the device except one that must return numpy arrays.
 """
 
 from __future__ import annotations
 
-import atexit
+import ctypes
 import os
+import struct
+import sys
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import compiler
+from . import _driver, compiler
 from ._problem import Operand, Problem
+from ._streams import default_stream, stream_handle
 from .semantics import BAND_UNBOUNDED
 
-_state = threading.local()
-_primary: Dict[int, Any] = {}
 MAX_GRID_YZ = 65535
 MAX_JOBS = 2**31 - 1 - 2**20  # job indices (int32) stay below 2**31 with a grid of up to 2**20 blocks
 LOG2E = 1.4426950408889634
+_ALIGN = 256  # alignment of each region of a workspace
 
 
 # ------------------------------------------------------------------ context
 
 
 def activate(device: Optional[int] = None):
-    """Retain the primary context of ``device`` and make it current; return it.
+    """Make the primary context of ``device`` current for PyCUDA on this thread; return it.
 
-    ``device`` defaults to the device of the current context if there is one,
-    else ``$PYCUDAFLASH_DEVICE`` or 0.  Idempotent.
+    The library itself needs no such call: each call makes its context
+    current and pops it again.  This helper is for scripts that want PyCUDA
+    objects (``GPUArray``, ``Stream``) in the context the library uses
+    without ``pycuda.autoinit``.  ``device`` defaults to the device of the
+    current context, else ``$PYCUDAFLASH_DEVICE`` or 0.  Undo it with
+    :func:`deactivate` (also run at exit for the main thread).
     """
     import pycuda.driver as drv
 
-    if device is None:
-        # Fast path: the context this thread activated last is still current.
-        last = getattr(_state, "last", None)
-        if last is not None:
-            current = drv.Context.get_current()
-            if current is not None and _handle(current) == last[0]:
-                return last[1]
     drv.init()
-    current = drv.Context.get_current()
     if device is None:
-        if current is not None:
-            device = _ordinal_of(current.get_device())
-        else:
-            device = int(os.environ.get("PYCUDAFLASH_DEVICE", "0"))
-    ctx = _primary.get(device)
-    if ctx is None:
-        ctx = drv.Device(device).retain_primary_context()
-        _primary[device] = ctx
-        if len(_primary) == 1:
-            atexit.register(_release)
-    if current is None or _handle(current) != _handle(ctx):
+        cur = _driver.current_context()
+        device = (_driver.context_device(cur) if cur
+                  else int(os.environ.get("PYCUDAFLASH_DEVICE", "0")))
+    ctx = _pycuda_primary(device)
+    current = drv.Context.get_current()
+    if current is None or int(current.handle) != int(ctx.handle) or _driver.current_context() != int(ctx.handle):
         ctx.push()
-        pushed = getattr(_state, "pushed", [])
-        pushed.append(ctx)
-        _state.pushed = pushed
-    _state.last = (_handle(ctx), ctx)
+        _state.pushed = getattr(_state, "pushed", 0) + 1
     return ctx
 
 
-_sm_counts: Dict[int, int] = {}
+_state = threading.local()
+_pycuda_primaries: Dict[int, Any] = {}
 
 
-def _sm_count() -> int:
-    """Multiprocessors of the current context's device (memoised per context)."""
+def _pycuda_primary(device: int):
+    """PyCUDA's handle of the primary context of ``device`` (retained once)."""
+    import atexit
+
     import pycuda.driver as drv
 
-    key = compiler.context_key()
-    n = _sm_counts.get(key)
-    if n is None:
-        n = _sm_counts[key] = drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
-    return n
-
-
-def _ordinal_of(dev) -> int:
-    import pycuda.driver as drv
-
-    bus = dev.pci_bus_id()
-    for i in range(drv.Device.count()):
-        if drv.Device(i).pci_bus_id() == bus:
-            return i
-    return 0
-
-
-def _handle(ctx) -> int:
-    h = getattr(ctx, "handle", None)
-    return int(h) if h is not None else id(ctx)
+    ctx = _pycuda_primaries.get(device)
+    if ctx is None:
+        drv.init()
+        ctx = _pycuda_primaries[device] = drv.Device(device).retain_primary_context()
+        if len(_pycuda_primaries) == 1:
+            atexit.register(deactivate)
+    return ctx
 
 
 def deactivate() -> None:
-    """Pop the contexts :func:`activate` pushed on this thread (also run at exit)."""
-    _release()
-
-
-def _release() -> None:
+    """Pop the contexts :func:`activate` pushed on this thread."""
     import pycuda.driver as drv
 
-    # Pop as many contexts as were pushed here, whatever made itself current
-    # since (a runtime-API library may have re-bound the same primary context).
-    for _ in getattr(_state, "pushed", []):
+    for _ in range(getattr(_state, "pushed", 0)):
         try:
             drv.Context.pop()
         except Exception:
             break
-    _state.pushed = []
-    _state.last = None
+    _state.pushed = 0
 
 
-# ---------------------------------------------------------------- workspace
+def _device_hint(obj: Any) -> Optional[int]:
+    """Device ordinal of a torch or cupy array (None for other kinds: the current context decides)."""
+    dev = getattr(obj, "device", None)
+    index = getattr(dev, "index", None)  # torch
+    if isinstance(index, int):
+        return index
+    ident = getattr(dev, "id", None)  # cupy
+    return ident if isinstance(ident, int) else None
 
 
-class _Workspace:
-    """Grow-only float32/int32 scratch memory, one per stream.
+# ------------------------------------------------------------ kernel launches
 
-    Work on one stream runs in order, so a later call may reuse the memory of
-    an earlier one on the same stream; different streams never share it.
+
+class _Ref:
+    """A pointer parameter filled at launch: ``vals[src] + offset``."""
+
+    __slots__ = ("src", "offset")
+
+    def __init__(self, src: int, offset: int = 0) -> None:
+        self.src, self.offset = src, offset
+
+
+def _bits(code: str, value: Any) -> int:
+    """The 64-bit slot holding one kernel parameter (little-endian, low bytes used)."""
+    if code == "f":
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    if code == "i":
+        return int(value) & 0xFFFFFFFF
+    return int(value) & 0xFFFFFFFFFFFFFFFF  # 'q' and 'P'
+
+
+class _Kernel:
+    """One kernel launch with its parameters packed once.
+
+    Each parameter has an 8-byte slot; the driver copies each parameter's
+    own size from its slot.  Pointer parameters given as :class:`_Ref` are
+    written at launch time, everything else is fixed.
     """
 
-    def __init__(self) -> None:
-        self.alloc = None
-        self.nbytes = 0
+    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs")
 
-    def get(self, nbytes: int, stream) -> int:
-        import pycuda.driver as drv
+    def __init__(self, name: str, fn: Any, grid: Tuple[int, int, int], threads: int, smem: int,
+                 fmt: str, args: Sequence[Any]) -> None:
+        if len(fmt) != len(args):
+            raise ValueError(f"{name}: {len(args)} arguments for a format of {len(fmt)}")
+        n = len(args)
+        self.name, self.fn, self.grid, self.block, self.smem = name, fn, grid, (threads, 1, 1), smem
+        self.slots = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(self.slots)
+        self.addrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.addr = ctypes.addressof(self.addrs)
+        refs = []
+        for i, (code, arg) in enumerate(zip(fmt, args)):
+            if isinstance(arg, _Ref):
+                if code != "P":
+                    raise ValueError(f"{name}: parameter {i} is a pointer reference but its format is {code!r}")
+                refs.append((i, arg.src, arg.offset))
+            else:
+                self.slots[i] = _bits(code, arg)
+        self.refs = tuple(refs)
 
-        if nbytes > self.nbytes:
-            if self.alloc is not None:
-                # Earlier work on this stream may still read the old buffer.
-                if stream is not None:
-                    stream.synchronize()
-                else:
-                    drv.Context.synchronize()
-                self.alloc.free()
-            self.alloc = drv.mem_alloc(max(nbytes, 256))
-            self.nbytes = nbytes
-        return int(self.alloc)
-
-
-class _JobCounter:
-    """Two int32 in device memory, zero between launches: the job counter of
-    the persistent Hopper forward and its count of finished blocks (the last
-    block of a launch sets both back to zero).  One per stream, as the
-    workspace: launches on one stream run one after another."""
-
-    def __init__(self) -> None:
-        import pycuda.driver as drv
-
-        self.alloc = drv.mem_alloc(8)
-        drv.memset_d32(self.alloc, 0, 2)
+    def launch(self, vals: Sequence[int], stream: int) -> None:
+        slots = self.slots
+        for i, src, off in self.refs:
+            slots[i] = vals[src] + off
+        _driver.launch(self.fn, self.grid, self.block, self.smem, stream, self.addr)
 
 
-# Device state of each (context handle, stream handle), made on first use.
-_workspaces: Dict[Tuple[int, int], _Workspace] = {}
-_job_counters: Dict[Tuple[int, int], _JobCounter] = {}
+# ------------------------------------------------------- per-stream device state
+
+# Job counters of the persistent Hopper forward: two int32 per stream, zero
+# between launches (the last block of a launch sets both back to zero).
+# Launches on one stream run in order, so one pair per (context, stream)
+# suffices; they come from slabs allocated once and never freed.
+_COUNTER_SLAB = 1024
+_counters: Dict[Tuple[int, int], int] = {}
+_slabs: Dict[int, List[int]] = {}  # context -> [slab pointer, next free slot]
+_counter_lock = threading.Lock()
 
 
-def _stream_state(table: Dict[Tuple[int, int], Any], make, stream):
-    """``table``'s object for the current context and ``stream`` (``make()`` on first use)."""
-    import pycuda.driver as drv
-
-    key = (_handle(drv.Context.get_current()), 0 if stream is None else int(stream.handle))
-    obj = table.get(key)
-    if obj is None:
-        obj = table[key] = make()
-    return obj
-
-
-def _workspace(stream) -> _Workspace:
-    return _stream_state(_workspaces, _Workspace, stream)
-
-
-def _job_counter(stream) -> int:
-    return int(_stream_state(_job_counters, _JobCounter, stream).alloc)
-
-
-def _align(n: int, a: int = 256) -> int:
-    return (n + a - 1) // a * a
-
-
-# ------------------------------------------------------------------ operands
+def _job_counter(ctx: int, stream: int) -> int:
+    """Device pointer of the job counter of ``stream`` in context ``ctx`` (made on first use)."""
+    key = (ctx, stream)
+    ptr = _counters.get(key)
+    if ptr is None:
+        with _counter_lock:
+            ptr = _counters.get(key)
+            if ptr is None:
+                slab = _slabs.get(ctx)
+                if slab is None or slab[1] == _COUNTER_SLAB:
+                    if _driver.is_capturing(stream):
+                        raise RuntimeError(
+                            "the first call on a stream of a new context cannot be captured into a graph: "
+                            "make one call on any stream of this device before capturing")
+                    base = _driver.mem_alloc(8 * _COUNTER_SLAB)
+                    _driver.memset_d32(base, 0, 2 * _COUNTER_SLAB)
+                    slab = _slabs[ctx] = [base, 0]
+                ptr = _counters[key] = slab[0] + 8 * slab[1]
+                slab[1] += 1
+    return ptr
 
 
-class _DevArg:
-    """Device pointer and element strides of one operand, plus what keeps it alive."""
-
-    def __init__(self, ptr: int, strides: Tuple[int, ...], keep: Any = None, host: Any = None):
-        self.ptr = int(ptr)
-        self.strides = tuple(int(s) for s in strides)
-        self.keep = keep  # device buffer owned by this call (uploaded copy / new output)
-        self.host = host  # numpy array to copy results back into
+def job_counters() -> Dict[Tuple[int, int], int]:
+    """``{(context, stream): device pointer}`` of the job counters made so far."""
+    return dict(_counters)
 
 
-def _upload(arr: np.ndarray, stream):
-    import pycuda.gpuarray as gpuarray
-
-    return gpuarray.to_gpu_async(np.ascontiguousarray(arr), stream=stream)
-
-
-def _c_strides(shape) -> Tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
-def _input(op: Operand, stream) -> _DevArg:
-    if op.on_device:
-        return _DevArg(op.ptr, op.strides)
-    buf = _upload(op.array, stream)
-    return _DevArg(int(buf.gpudata), _c_strides(op.shape), keep=buf)
-
-
-def _mask_input(op: Optional[Operand], stream, convert=None) -> _DevArg:
-    """Device pointer and strides of the dense mask (float masks as float32).
-
-    ``convert`` is the kernel that turns a device float mask stored in the
-    input's 16-bit type into a compact float32 copy.
-    """
-    if op is None:
-        return _DevArg(0, (0, 0, 0, 0))
-    needs_f32 = op.dtype.kind != "b" and op.dtype != np.float32
-    if op.on_device and not needs_f32:
-        return _DevArg(op.ptr, op.strides)
-    if op.on_device:
-        import pycuda.gpuarray as gpuarray
-
-        if convert is None:
-            raise TypeError(f"a {op.dtype} mask needs the float32 conversion kernel")
-        dims = tuple(1 if st == 0 else n for n, st in zip(op.shape, op.strides))
-        buf = gpuarray.empty(dims, np.float32)
-        total = int(np.prod(dims))
-        blocks = max(1, min((total + 255) // 256, 132 * 16))
-        convert.prepared_async_call((blocks, 1, 1), (256, 1, 1), stream, op.ptr, int(buf.gpudata),
-                                    dims[1], dims[2], dims[3], *op.strides, total)
-        cs = _c_strides(dims)
-        return _DevArg(int(buf.gpudata), tuple(0 if st == 0 else c for st, c in zip(op.strides, cs)), keep=buf)
-    # Upload the compact mask (size 1 on broadcast dims) and keep zero strides there.
-    arr = op.array
-    compact = arr[tuple(slice(0, 1) if s == 0 else slice(None) for s in op.strides)]
-    if needs_f32:
-        compact = compact.astype(np.float32)
-    buf = _upload(compact, stream)
-    cs = _c_strides(compact.shape)
-    strides = tuple(0 if s == 0 else c for s, c in zip(op.strides, cs))
-    return _DevArg(int(buf.gpudata), strides, keep=buf)
-
-
-def _output(op: Optional[Operand], shape, dtype, on_device: bool) -> _DevArg:
-    import pycuda.gpuarray as gpuarray
-
-    if op is not None and op.on_device:
-        return _DevArg(op.ptr, op.strides, keep=None)
-    buf = gpuarray.empty(shape, dtype)
-    host = None
-    if not on_device:
-        host = op.array if op is not None else np.empty(shape, dtype)
-    return _DevArg(int(buf.gpudata), _c_strides(shape), keep=buf, host=host)
-
-
-def _result(arg: _DevArg, op: Optional[Operand]):
-    """What the API returns for one output: the caller's buffer, a GPUArray or numpy."""
-    if arg.host is not None:
-        return arg.host
-    if op is not None:
-        return op.obj
-    return arg.keep
-
-
-def _finish_host(args, stream) -> None:
-    """Wait for the stream, then copy device results back into their numpy arrays."""
-    import pycuda.driver as drv
-
-    if stream is not None:
-        stream.synchronize()
-    else:
-        drv.Context.synchronize()
-    for a in args:
-        if a.host is not None:
-            a.host[...] = a.keep.get()
-
-
-def _key_lengths(prob: Problem, stream, ws_ptr: int) -> int:
-    """Copy the validated key lengths into the workspace; return the device pointer (0 if none)."""
-    import pycuda.driver as drv
-
-    if prob.key_lengths is None:
-        return 0
-    kl = np.ascontiguousarray(prob.key_lengths, dtype=np.int32)
-    if stream is not None:
-        drv.memcpy_htod_async(ws_ptr, kl, stream)
-    else:
-        drv.memcpy_htod(ws_ptr, kl)
-    return ws_ptr
-
-
-def _band(prob: Problem) -> Tuple[int, int]:
-    lo = max(prob.band.lo_off, -BAND_UNBOUNDED)
-    hi = min(prob.band.hi_off, BAND_UNBOUNDED)
-    return lo, hi
-
-
-def _check_grid(prob: Problem) -> None:
-    if prob.B > MAX_GRID_YZ or prob.H > MAX_GRID_YZ:
-        raise ValueError(f"B and H must each be <= {MAX_GRID_YZ} on the CUDA backend, got B={prob.B}, H={prob.H}")
-    # The persistent Hopper forward numbers its jobs (query tiles of at least
-    # 64 rows) with int32.
-    jobs = prob.B * prob.H * -(-prob.Nq // 64)
-    if jobs > MAX_JOBS:
-        raise ValueError(f"B * H * ceil(Nq / 64) must be <= {MAX_JOBS} on the CUDA backend, got {jobs}")
-
-
-def _vec_ok(args, D: int, itemsize: int = 4) -> int:
-    """16-byte loads are possible: D a whole number of 16 bytes, rows and bases 16-byte aligned."""
-    per16 = 16 // itemsize
-    if D % per16:
-        return 0
-    for a in args:
-        if a.ptr % 16:
-            return 0
-        if any(s % per16 for s in a.strides[:-1]):
-            return 0
-    return 1
+# ------------------------------------------------------------------ variants
 
 
 def _kernel_dtype(prob: Problem) -> str:
@@ -345,8 +226,7 @@ class _Variant:
     """The compiled variant a problem needs for one pass, on the current device.
 
     Made once per (context, pass kind, dtype, head-dim bucket, mask kind,
-    tuning environment) and kept: a launch then only looks up its kernels
-    and shared-memory sizes.
+    tuning environment) and kept.
     """
 
     def __init__(self, pass_: str, defs: Dict[str, int], tiles: "compiler.Tiles", head_dim: int, dtype: str,
@@ -354,7 +234,6 @@ class _Variant:
         self.pass_, self.defs, self.tiles = pass_, defs, tiles
         self.head_dim, self.dtype, self.arch = head_dim, dtype, arch
         self._smem: Dict[str, int] = {}
-        self._functions: Dict[str, Any] = {}
         self._resident: Dict[str, int] = {}
 
     def smem(self, kernel: str) -> int:
@@ -379,20 +258,15 @@ class _Variant:
         return self.tiles.fwd_br, 32 * self.tiles.fwd_warps
 
     def resident_blocks(self, kernel: str, threads: int) -> int:
-        """Blocks of ``kernel`` (prepared by :meth:`function`) one SM holds at once."""
+        """Blocks of ``kernel`` one SM holds at once."""
         n = self._resident.get(kernel)
         if n is None:
-            n = self._resident[kernel] = compiler.resident_blocks(self._functions[kernel], threads,
-                                                                  self.smem(kernel))
+            n = self._resident[kernel] = compiler.resident_blocks(self.function(kernel), threads, self.smem(kernel))
         return n
 
-    def function(self, kernel: str, arg_format: str):
-        """The prepared kernel, its shared-memory limit raised to :meth:`smem`."""
-        fn = self._functions.get(kernel)
-        if fn is None:
-            fn = self._functions[kernel] = compiler.get_function(self.pass_, self.defs, kernel, arg_format,
-                                                                 self.smem(kernel))
-        return fn
+    def function(self, kernel: str):
+        """The kernel's CUfunction, its shared-memory limit raised to :meth:`smem`."""
+        return compiler.get_function(self.pass_, self.defs, kernel, self.smem(kernel))
 
 
 _variants: Dict[Tuple, _Variant] = {}
@@ -413,11 +287,89 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     return var
 
 
+_sm_counts: Dict[int, int] = {}
+
+
+def _sm_count() -> int:
+    """Multiprocessors of the current context's device."""
+    dev = _driver.context_device(compiler.context_key())
+    return _driver.device_attribute(dev, "MULTIPROCESSOR_COUNT")
+
+
+# ------------------------------------------------------------------ plans
+
+
+def _band(prob: Problem) -> Tuple[int, int]:
+    lo = max(prob.band.lo_off, -BAND_UNBOUNDED)
+    hi = min(prob.band.hi_off, BAND_UNBOUNDED)
+    return lo, hi
+
+
+def _check_grid(prob: Problem) -> None:
+    if prob.B > MAX_GRID_YZ or prob.H > MAX_GRID_YZ:
+        raise ValueError(f"B and H must each be <= {MAX_GRID_YZ} on the CUDA backend, got B={prob.B}, H={prob.H}")
+    # The persistent Hopper forward numbers its jobs (query tiles of at least
+    # 64 rows) with int32.
+    jobs = prob.B * prob.H * -(-prob.Nq // 64)
+    if jobs > MAX_JOBS:
+        raise ValueError(f"B * H * ceil(Nq / 64) must be <= {MAX_JOBS} on the CUDA backend, got {jobs}")
+
+
 def _three(strides) -> Tuple[int, int, int]:
     return int(strides[0]), int(strides[1]), int(strides[2])
 
 
-# ------------------------------------------------------------------ forward
+def c_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= int(n)
+    return tuple(reversed(strides))
+
+
+def _vec_ok(strides: Sequence[Sequence[int]], D: int, itemsize: int, aligned: bool) -> int:
+    """16-byte loads are possible: D a whole number of 16 bytes, rows and bases 16-byte aligned."""
+    per16 = 16 // itemsize
+    if D % per16 or not aligned:
+        return 0
+    return int(all(s % per16 == 0 for st in strides for s in st[:-1]))
+
+
+class _Workspace:
+    """Byte offsets of the regions of one call's workspace (each 256-byte aligned)."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def region(self, nbytes: int) -> int:
+        off = self.nbytes
+        self.nbytes += -(-max(int(nbytes), 1) // _ALIGN) * _ALIGN
+        return off
+
+
+def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple[int, ...], src: int,
+               ws_src: int) -> Tuple[Any, Tuple[int, ...], Optional[_Kernel]]:
+    """The mask pointer a pass reads, its strides, and the conversion launch a 16-bit float mask needs.
+
+    A device float mask stored in the inputs' 16-bit type is converted into
+    a compact float32 copy in the workspace (size 1 on broadcast dims).
+    """
+    m = prob.mask
+    if m is None:
+        return 0, (0, 0, 0, 0), None
+    if m.dtype.kind == "b" or m.dtype == np.float32:
+        return _Ref(src), mask_strides, None
+    dims = tuple(1 if st == 0 else n for n, st in zip(m.shape, mask_strides))
+    total = int(np.prod(dims))
+    off = ws.region(4 * total)
+    blocks = max(1, min((total + 255) // 256, 132 * 16))
+    conv = _Kernel("flash_convert_mask", var.function("flash_convert_mask"), (blocks, 1, 1), 256, 0,
+                   _MASK_CONVERT_FORMAT,
+                   (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total))
+    cs = c_strides(dims)
+    return _Ref(ws_src, off), tuple(0 if st == 0 else c for st, c in zip(mask_strides, cs)), conv
+
 
 _FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
 _FWD90_FORMAT = _FWD_FORMAT + "iiiP"  # + heads, jobs, log2 of the job group, job counter
@@ -426,51 +378,83 @@ _JOB_GROUP_BYTES = 16 << 20
 _MASK_CONVERT_FORMAT = "PP" + "qqq" + "qqqq" + "q"
 
 
-def run_forward(prob: Problem, stream=None):
-    """Launch the forward pass; return ``(out, lse)``."""
-    activate()
-    _check_grid(prob)
-    B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    var = _variant(prob, "fwd")
-    hopper = var.pass_ == "fwd_sm90"
-    fn = var.function("flash_fwd_kernel", _FWD90_FORMAT if hopper else _FWD_FORMAT)
-    conv = _mask_converter(prob, var)
+class _Plan:
+    """What every plan has: its kernels, workspace size and launch lock."""
 
-    q, k, v = (_input(op, stream) for op in (prob.q, prob.k, prob.v))
-    out = _output(prob.out, (B, H, Nq, D), prob.dtype, prob.on_device)
-    lse = _output(prob.lse, (B, H, Nq), np.float32, prob.on_device)
-    mask = _mask_input(prob.mask, stream, conv)
-    ws = _workspace(stream)
-    kl_ptr = _key_lengths(prob, stream, ws.get(4 * B, stream)) if prob.key_lengths is not None else 0
-    lo, hi = _band(prob)
-    itemsize = np.dtype(prob.dtype).itemsize
-    # 16-bit outputs are stored in aligned pairs under the same condition.
-    vec = _vec_ok((q, k, v) if itemsize == 4 else (q, k, v, out), D, itemsize)
-    rows, threads = var.forward_block()
-    grid = ((Nq + rows - 1) // rows, H, B)
-    extra = ()
-    if hopper:
-        # Jobs: query tiles of every (batch, head).  Persistent blocks take
-        # them from the job counter; otherwise one block each.
-        jobs = grid[0] * H * B
-        counter, group_shift = 0, 0
-        if var.defs["FWD_PERSIST"]:  # (_check_grid bounds the jobs)
-            counter = _job_counter(stream)
-            group_shift = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
-            grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)
-        extra = (H, jobs, group_shift, counter)
-    fn.prepared_async_call(
-        grid, (threads, 1, 1), stream,
-        q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, mask.ptr, kl_ptr,
-        Nq, Nk, D,
-        *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(out.strides),
-        *_three(lse.strides), *mask.strides,
-        np.float32(prob.scale * LOG2E), lo, hi, vec, *extra,
-        shared_size=var.smem("flash_fwd_kernel"),
-    )
-    if not prob.on_device:
-        _finish_host((out, lse), stream)
-    return _result(out, prob.out), _result(lse, prob.lse)
+    kernels: List[_Kernel]
+    ws_bytes: int
+    kl_offset: int  # workspace offset of host key lengths (-1: none)
+    kl_host: Optional[np.ndarray]  # validated host key lengths of this signature
+    counter: bool
+    shapes: Tuple[Tuple[int, ...], ...]  # shapes of the outputs
+    dtype: np.dtype  # dtype of the inputs (and of every output but lse)
+
+    def _describe(self, prob: Problem, shapes: Tuple[Tuple[int, ...], ...]) -> None:
+        self.shapes, self.dtype, self.kl_host = shapes, prob.dtype, prob.key_lengths
+
+    def launch(self, vals: List[int], ctx: int, stream: int) -> None:
+        """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place)."""
+        if self.counter:
+            vals[self.CNT] = _job_counter(ctx, stream)
+        with self._lock:
+            for k in self.kernels:
+                k.launch(vals, stream)
+
+
+class ForwardPlan(_Plan):
+    """The forward launches of one call signature.
+
+    ``vals`` order (:meth:`launch`): q, k, v, out, lse, mask, key lengths,
+    workspace, job counter.
+    """
+
+    Q, K, V, O, L, M, KL, WS, CNT = range(9)
+    N_VALS = 9
+
+    def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
+        _check_grid(prob)
+        self._lock = threading.Lock()
+        B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
+        var = _variant(prob, "fwd")
+        hopper = var.pass_ == "fwd_sm90"
+        ws = _Workspace()
+        self._describe(prob, ((B, H, Nq, D), (B, H, Nq)))
+        self.kl_offset = ws.region(4 * B) if self.kl_host is not None else -1
+        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
+        itemsize = np.dtype(prob.dtype).itemsize
+        # 16-bit outputs are stored in aligned pairs under the same condition.
+        names = ("q", "k", "v") if itemsize == 4 else ("q", "k", "v", "out")
+        vec = _vec_ok([strides[n] for n in names], D, itemsize, aligned)
+        rows, threads = var.forward_block()
+        grid = ((Nq + rows - 1) // rows, H, B)
+        fn = var.function("flash_fwd_kernel")
+        extra: Tuple[Any, ...] = ()
+        self.counter = False
+        if hopper:
+            # Jobs: query tiles of every (batch, head).  Persistent blocks take
+            # them from the job counter; otherwise one block each.
+            jobs = grid[0] * H * B
+            group_shift, counter = 0, 0
+            if var.defs["FWD_PERSIST"]:  # (_check_grid bounds the jobs)
+                self.counter = True
+                counter = _Ref(self.CNT)
+                group_shift = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
+                grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)
+            extra = (H, jobs, group_shift, counter)
+        lo, hi = _band(prob)
+        kl = _Ref(self.KL)  # (0: no key lengths)
+        main = _Kernel(
+            "flash_fwd_kernel", fn, grid, threads, var.smem("flash_fwd_kernel"),
+            _FWD90_FORMAT if hopper else _FWD_FORMAT,
+            (_Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.O), _Ref(self.L), mask_ref, kl,
+             Nq, Nk, D,
+             *_three(strides["q"]), *_three(strides["k"]), *_three(strides["v"]), *_three(strides["out"]),
+             *_three(strides["lse"]), *mask_strides,
+             prob.scale * LOG2E, lo, hi, vec, *extra),
+        )
+        self.kernels = ([conv] if conv is not None else []) + [main]
+        self.ws_bytes = ws.nbytes
+        self.pass_ = var.pass_
 
 
 def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
@@ -492,19 +476,6 @@ def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
     return max(heads, 1).bit_length() - 1
 
 
-def _mask_converter(prob: Problem, var: _Variant):
-    """The 16-bit float mask conversion kernel, where the problem needs it.
-
-    (Validation admits a mask of 16-bit floats only in the inputs' own dtype.)
-    """
-    m = prob.mask
-    if m is None or not m.on_device or m.dtype.kind == "b" or m.dtype == np.float32:
-        return None
-    return var.function("flash_convert_mask", _MASK_CONVERT_FORMAT)
-
-
-# ----------------------------------------------------------------- backward
-
 _PRE_FORMAT = "PPPPPP" + "iii" + "q" + "q" * 9
 _DKDV_FORMAT = "PPPPPPPPPPP" + "iii" + "q" * 22 + "ff" + "iii"
 _DQ_FORMAT = "PPPPPPPPP" + "iii" + "q" * 19 + "ff" + "iii"
@@ -514,81 +485,395 @@ PRE_ROWS = 4
 PRE_WARPS = 8  # warps per block of those kernels
 
 
-def run_backward(prob: Problem, stream=None):
-    """Launch the backward pass; return ``(dq, dk, dv)``."""
-    activate()
-    _check_grid(prob)
-    B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-    var = _variant(prob, "bwd")
-    f_pre = var.function("flash_bwd_preprocess", _PRE_FORMAT)
-    f_kv = var.function("flash_bwd_dkdv_kernel", _DKDV_FORMAT)
-    if prob.deterministic:
-        f_dq = var.function("flash_bwd_dq_kernel", _DQ_FORMAT)
-    else:
-        f_conv = var.function("flash_bwd_convert_dq", _CONVERT_FORMAT)
-    conv = _mask_converter(prob, var)
+class BackwardPlan(_Plan):
+    """The backward launches of one call signature.
 
-    q, k, v, o, do = (_input(op, stream) for op in (prob.q, prob.k, prob.v, prob.out, prob.dout))
-    lse = _input(prob.lse, stream)
-    dq = _output(prob.dq, (B, H, Nq, D), prob.dtype, prob.on_device)
-    dk = _output(prob.dk, (B, H, Nk, D), prob.dtype, prob.on_device)
-    dv = _output(prob.dv, (B, H, Nk, D), prob.dtype, prob.on_device)
-    mask = _mask_input(prob.mask, stream, conv)
+    ``vals`` order (:meth:`launch`): q, k, v, out, dout, lse, dq, dk, dv,
+    mask, key lengths, workspace.
+    """
 
-    # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator.
-    rows = B * H * Nq
-    off_l2 = _align(4 * rows)
-    off_kl = off_l2 + _align(4 * rows)
-    off_dq = off_kl + _align(4 * B)
-    total = off_dq + (0 if prob.deterministic else 4 * rows * D)
-    base = _workspace(stream).get(total, stream)
-    d_ptr, l2_ptr, dqacc_ptr = base, base + off_l2, (0 if prob.deterministic else base + off_dq)
-    kl_ptr = _key_lengths(prob, stream, base + off_kl) if prob.key_lengths is not None else 0
-    lo, hi = _band(prob)
-    itemsize = np.dtype(prob.dtype).itemsize
-    # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
-    vec = _vec_ok((q, k, v, do) if itemsize == 4 else (q, k, v, do, dq, dk, dv), D, itemsize)
-    scale = np.float32(prob.scale)
-    scale_log2 = np.float32(prob.scale * LOG2E)
+    Q, K, V, O, DO, L, DQ, DK, DV, M, KL, WS = range(12)
+    CNT = -1
+    N_VALS = 12
 
-    # 1. Di = rowsum(dO o O), Li*log2(e); the dQ accumulator zeroed.
-    row_blocks = ((rows + PRE_ROWS * PRE_WARPS - 1) // (PRE_ROWS * PRE_WARPS), 1, 1)
-    f_pre.prepared_async_call(
-        row_blocks, (32 * PRE_WARPS, 1, 1), stream,
-        do.ptr, o.ptr, lse.ptr, d_ptr, l2_ptr, dqacc_ptr, H, Nq, D, rows,
-        *_three(do.strides), *_three(o.strides), *_three(lse.strides),
-    )
+    def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
+        _check_grid(prob)
+        self._lock = threading.Lock()
+        self.counter = False
+        B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
+        var = _variant(prob, "bwd")
+        rows = B * H * Nq
+        # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator, converted mask.
+        ws = _Workspace()
+        off_d = ws.region(4 * rows)
+        off_l2 = ws.region(4 * rows)
+        self._describe(prob, ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)))
+        self.kl_offset = ws.region(4 * B) if self.kl_host is not None else -1
+        off_dq = -1 if prob.deterministic else ws.region(4 * rows * D)
+        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
+        d_ref, l2_ref = _Ref(self.WS, off_d), _Ref(self.WS, off_l2)
+        dqacc = _Ref(self.WS, off_dq) if off_dq >= 0 else 0
+        kl = _Ref(self.KL)  # (0: no key lengths)
+        lo, hi = _band(prob)
+        itemsize = np.dtype(prob.dtype).itemsize
+        # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
+        names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dk", "dv")
+        vec = _vec_ok([strides[n] for n in names], D, itemsize, aligned)
+        scale, scale_log2 = prob.scale, prob.scale * LOG2E
+        st = {n: _three(strides[n]) for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")}
+        q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
+        kernels = [conv] if conv is not None else []
 
-    # 2. dK, dV (and dQ by atomics): one block per key tile.
-    keys, threads = var.backward_block()
-    f_kv.prepared_async_call(
-        ((Nk + keys - 1) // keys, H, B), (threads, 1, 1), stream,
-        q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dqacc_ptr, dk.ptr, dv.ptr, mask.ptr, kl_ptr,
-        Nq, Nk, D,
-        *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
-        *_three(dk.strides), *_three(dv.strides), *mask.strides,
-        scale_log2, scale, lo, hi, vec,
-        shared_size=var.smem("flash_bwd_dkdv_kernel"),
-    )
-    # 3. dQ: deterministic kernel, or copy of the accumulator.
-    if prob.deterministic:
-        f_dq.prepared_async_call(
-            ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), (32 * compiler.DQ_WARPS, 1, 1), stream,
-            q.ptr, k.ptr, v.ptr, do.ptr, d_ptr, l2_ptr, dq.ptr, mask.ptr, kl_ptr,
-            Nq, Nk, D,
-            *_three(q.strides), *_three(k.strides), *_three(v.strides), *_three(do.strides),
-            *_three(dq.strides), *mask.strides,
-            scale_log2, scale, lo, hi, vec,
-            shared_size=var.smem("flash_bwd_dq_kernel"),
-        )
-    else:
-        f_conv.prepared_async_call(
-            row_blocks, (32 * PRE_WARPS, 1, 1), stream,
-            dqacc_ptr, dq.ptr, H, Nq, D, rows, *_three(dq.strides), vec,
-        )
+        # 1. Di = rowsum(dO o O), Li*log2(e); the dQ accumulator zeroed.
+        row_blocks = ((rows + PRE_ROWS * PRE_WARPS - 1) // (PRE_ROWS * PRE_WARPS), 1, 1)
+        kernels.append(_Kernel(
+            "flash_bwd_preprocess", var.function("flash_bwd_preprocess"), row_blocks, 32 * PRE_WARPS, 0,
+            _PRE_FORMAT,
+            (do, _Ref(self.O), _Ref(self.L), d_ref, l2_ref, dqacc, H, Nq, D, rows, *st["dout"], *st["out"],
+             *st["lse"])))
+        # 2. dK, dV (and dQ by atomics): one block per key tile.
+        keys, threads = var.backward_block()
+        kernels.append(_Kernel(
+            "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), ((Nk + keys - 1) // keys, H, B),
+            threads, var.smem("flash_bwd_dkdv_kernel"), _DKDV_FORMAT,
+            (q, k, v, do, d_ref, l2_ref, dqacc, _Ref(self.DK), _Ref(self.DV), mask_ref, kl,
+             Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk"], *st["dv"], *mask_strides,
+             scale_log2, scale, lo, hi, vec)))
+        # 3. dQ: deterministic kernel, or rounding of the accumulator.
+        if prob.deterministic:
+            kernels.append(_Kernel(
+                "flash_bwd_dq_kernel", var.function("flash_bwd_dq_kernel"),
+                ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), 32 * compiler.DQ_WARPS,
+                var.smem("flash_bwd_dq_kernel"), _DQ_FORMAT,
+                (q, k, v, do, d_ref, l2_ref, _Ref(self.DQ), mask_ref, kl,
+                 Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dq"], *mask_strides,
+                 scale_log2, scale, lo, hi, vec)))
+        else:
+            kernels.append(_Kernel(
+                "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * PRE_WARPS, 0,
+                _CONVERT_FORMAT, (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec)))
+        self.kernels = kernels
+        self.ws_bytes = ws.nbytes
+        self.pass_ = var.pass_
+
+
+# ------------------------------------------------------------ running a plan
+
+
+def _torch_current(obj: Any, stream: int) -> Any:
+    """torch, when ``obj`` is a torch tensor and ``stream`` is torch's current stream of its device."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if torch._C._cuda_getCurrentRawStream(obj.device.index) == stream:
+            return torch
+    return None
+
+
+def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl_host: Optional[np.ndarray],
+            like: Any) -> None:
+    """Run ``plan`` with ``vals`` on ``stream``: a workspace for the call, the key lengths, the launches.
+
+    ``like`` is the first input: the workspace comes from torch's caching
+    allocator when it is a torch tensor on torch's current stream (graph
+    capture safe), else from this library's stream-ordered pool.
+    """
+    if plan.ws_bytes == 0:
+        plan.launch(vals, ctx, stream)
+        return
+    torch = _torch_current(like, stream)
+    if torch is not None:
+        buf = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=like.device)
+        vals[plan.WS] = buf.data_ptr()
+        _put_key_lengths(plan, vals, kl_host, stream)
+        plan.launch(vals, ctx, stream)
+        return
+    base = _driver.alloc_async(plan.ws_bytes, device, stream)
+    try:
+        vals[plan.WS] = base
+        _put_key_lengths(plan, vals, kl_host, stream)
+        plan.launch(vals, ctx, stream)
+    finally:
+        _driver.free_async(base, stream)
+
+
+def _put_key_lengths(plan: _Plan, vals: List[int], kl_host: Optional[np.ndarray], stream: int) -> None:
+    """Copy host key lengths into the workspace (device key lengths are read in place)."""
+    if kl_host is None or plan.kl_offset < 0:
+        return
+    dst = vals[plan.WS] + plan.kl_offset
+    _driver.memcpy_htod_async(dst, kl_host.ctypes.data, kl_host.nbytes, stream)
+    vals[plan.KL] = dst
+
+
+def empty_like_input(like: Any, shape: Tuple[int, ...], dtype: np.dtype, device: int, stream: int) -> Any:
+    """A new device array of ``like``'s kind: torch, cupy, or else a pycuda GPUArray."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor):
+        out = torch.empty(shape, dtype=_torch_dtype(torch, dtype), device=like.device)
+        if torch._C._cuda_getCurrentRawStream(like.device.index) != stream:
+            out.record_stream(torch.cuda.ExternalStream(stream, device=like.device))
+        return out
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(like, cupy.ndarray):
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, dtype=dtype)
+    return _pycuda_empty(shape, dtype, device)
+
+
+def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
+    return getattr(torch, np.dtype(dtype).name)
+
+
+_pycuda_pools: Dict[int, Any] = {}
+
+
+def _pycuda_empty(shape: Tuple[int, ...], dtype: np.dtype, device: int) -> Any:
+    """A pycuda ``GPUArray`` from a memory pool of the device's primary context."""
+    import pycuda.driver as drv
+    import pycuda.gpuarray as gpuarray
+    import pycuda.tools
+
+    ctx = _pycuda_primary(device)
+    cur = drv.Context.get_current()
+    pushed = cur is None or int(cur.handle) != _driver.current_context()
+    if pushed:
+        ctx.push()
+    try:
+        key = _driver.current_context()
+        pool = _pycuda_pools.get(key)
+        if pool is None:
+            pool = _pycuda_pools[key] = pycuda.tools.DeviceMemoryPool()
+        return gpuarray.GPUArray(shape, dtype, allocator=pool.allocate)
+    finally:
+        if pushed:
+            drv.Context.pop()
+
+
+def _plan_strides(prob: Problem, names: Sequence[str], out_shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple]:
+    """Element strides of every operand as the kernels see them (allocated outputs C-contiguous)."""
+    strides: Dict[str, Tuple[int, ...]] = {}
+    for name in names:
+        op = getattr(prob, name)
+        if op is not None:
+            strides[name] = op.strides
+        elif name in out_shapes:
+            strides[name] = c_strides(out_shapes[name])
+    if prob.mask is not None:
+        strides["mask"] = prob.mask.strides
+    return strides
+
+
+def stream_for(stream: Any, like: Any) -> int:
+    """The raw stream handle a call runs on."""
+    return default_stream(like) if stream is None else stream_handle(stream)
+
+
+def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
+    """Run the forward pass of a validated problem; return ``(out, lse)``.
+
+    ``keep(plan, context, device)``, when given, receives the plan for later
+    calls of the same signature (``pycudaflash._calls``).
+    """
     if not prob.on_device:
-        _finish_host((dq, dk, dv), stream)
-    return tuple(_result(a, op) for a, op in ((dq, prob.dq), (dk, prob.dk), (dv, prob.dv)))
+        return _run_host(prob, stream, "fwd")
+    like = prob.q.obj
+    ctx, pushed = _driver.enter(_device_hint(like))
+    try:
+        device = _driver.context_device(ctx)
+        _check_device(prob, device)
+        handle = stream_for(stream, like)
+        shapes = {"out": (prob.B, prob.H, prob.Nq, prob.D), "lse": (prob.B, prob.H, prob.Nq)}
+        ops = [prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask]
+        ptrs = [op.ptr if op is not None else 0 for op in ops]
+        plan = ForwardPlan(prob, _plan_strides(prob, ("q", "k", "v", "out", "lse"), shapes), _aligned(ptrs))
+        if keep is not None:
+            keep(plan, ctx, device)
+        return launch_forward(plan, ctx, device, handle, ptrs, [op.obj if op is not None else None for op in ops])
+    finally:
+        _driver.leave(pushed)
+
+
+def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
+                   objs: Sequence[Any], device_kl: int = 0):
+    """Allocate missing outputs and launch ``plan``; return ``(out, lse)``.
+
+    ``ptrs`` and ``objs``: pointers and objects of q, k, v, out, lse, mask
+    (None and 0 where absent).  ``device_kl``: device int32 key lengths
+    read in place (the plan's host key lengths are copied otherwise).
+    """
+    like = objs[0]
+    out, lse = objs[3], objs[4]
+    vals = [0] * plan.N_VALS
+    vals[0], vals[1], vals[2] = ptrs[0], ptrs[1], ptrs[2]
+    vals[plan.M] = ptrs[5]
+    if out is None or lse is None:
+        _refuse_capture(like, stream, "out= and lse=")
+    if out is None:
+        out = empty_like_input(like, plan.shapes[0], plan.dtype, device, stream)
+        vals[plan.O] = _ptr(out)
+    else:
+        vals[plan.O] = ptrs[3]
+    if lse is None:
+        lse = empty_like_input(like, plan.shapes[1], np.dtype(np.float32), device, stream)
+        vals[plan.L] = _ptr(lse)
+    else:
+        vals[plan.L] = ptrs[4]
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl), like)
+    return out, lse
+
+
+def run_backward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
+    """Run the backward pass of a validated problem; return ``(dq, dk, dv)`` (``keep`` as in run_forward)."""
+    if not prob.on_device:
+        return _run_host(prob, stream, "bwd")
+    like = prob.q.obj
+    ctx, pushed = _driver.enter(_device_hint(like))
+    try:
+        device = _driver.context_device(ctx)
+        _check_device(prob, device)
+        handle = stream_for(stream, like)
+        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
+        ops = [getattr(prob, n) for n in BWD_OPERANDS]
+        ptrs = [op.ptr if op is not None else 0 for op in ops]
+        plan = BackwardPlan(prob, _plan_strides(prob, BWD_OPERANDS[:9], {"dq": qs, "dk": ks, "dv": ks}),
+                            _aligned(ptrs))
+        if keep is not None:
+            keep(plan, ctx, device)
+        return launch_backward(plan, ctx, device, handle, ptrs, [op.obj if op is not None else None for op in ops])
+    finally:
+        _driver.leave(pushed)
+
+
+#: Operands of a backward call, in the order of launch_backward's ``ptrs`` and ``objs``.
+BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
+
+
+def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
+                    objs: Sequence[Any], device_kl: int = 0):
+    """Allocate missing gradients and launch ``plan``; return ``(dq, dk, dv)``.
+
+    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl`` as in
+    :func:`launch_forward`.
+    """
+    like = objs[0]
+    vals = [0] * plan.N_VALS
+    vals[:6] = ptrs[:6]
+    vals[plan.M] = ptrs[9]
+    grads = [objs[6], objs[7], objs[8]]
+    if grads[0] is None or grads[1] is None or grads[2] is None:
+        _refuse_capture(like, stream, "dq=, dk= and dv=")
+    for i, slot in enumerate((plan.DQ, plan.DK, plan.DV)):
+        if grads[i] is None:
+            grads[i] = empty_like_input(like, plan.shapes[i], plan.dtype, device, stream)
+            vals[slot] = _ptr(grads[i])
+        else:
+            vals[slot] = ptrs[6 + i]
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl), like)
+    return tuple(grads)
+
+
+def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int) -> Optional[np.ndarray]:
+    """Host key lengths to copy into the workspace (None when absent or read on the device)."""
+    if device_kl:
+        vals[plan.KL] = device_kl
+        return None
+    if plan.kl_host is None:
+        return None
+    if stream not in (0, 1, 2) and _driver.is_capturing(stream):
+        raise ValueError("key_lengths given on the host cannot be captured into a graph: pass them as an int32 "
+                         "device tensor to pycudaflash.torch.flash_attention")
+    return plan.kl_host
+
+
+def _refuse_capture(like: Any, stream: int, names: str) -> None:
+    """Outputs allocated here (outside torch's graph-aware allocator) would be freed and reused while a
+    captured graph still writes them."""
+    if _torch_current(like, stream) is None and stream not in (0, 1, 2) and _driver.is_capturing(stream):
+        raise ValueError(f"a call captured into a graph must be given its output buffers ({names})")
+
+
+def _ptr(obj: Any) -> int:
+    """Device pointer of an array this module allocated."""
+    data_ptr = getattr(obj, "data_ptr", None)
+    if callable(data_ptr):  # torch
+        return int(data_ptr())
+    gpudata = getattr(obj, "gpudata", None)
+    if gpudata is not None:  # pycuda
+        return int(gpudata)
+    return int(obj.data.ptr)  # cupy
+
+
+def _aligned(ptrs: Sequence[int]) -> bool:
+    return all(p % 16 == 0 for p in ptrs)
+
+
+def _check_device(prob: Problem, device: int) -> None:
+    """Every device operand must live on the call's device."""
+    for name in ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "mask"):
+        op = getattr(prob, name)
+        if op is None or not op.ptr:
+            continue
+        where = _driver.pointer_device(op.ptr)
+        if where is not None and where != device:
+            raise ValueError(f"{name} lives on device {where} but the call runs on device {device}")
+
+
+# ------------------------------------------------------------- host arrays
+
+
+def _run_host(prob: Problem, stream: Any, kind: str):
+    """numpy in, numpy out on the GPU: upload, launch, copy back, wait."""
+    ctx, pushed = _driver.enter(None)
+    try:
+        device = _driver.context_device(ctx)
+        handle = 0 if stream is None else stream_handle(stream)
+        fwd = kind == "fwd"
+        in_names = ("q", "k", "v") if fwd else ("q", "k", "v", "out", "dout", "lse")
+        out_names = ("out", "lse") if fwd else ("dq", "dk", "dv")
+        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
+        out_shapes = {"out": qs, "lse": qs[:3], "dq": qs, "dk": ks, "dv": ks}
+        arrays: Dict[str, np.ndarray] = {n: np.ascontiguousarray(getattr(prob, n).array) for n in in_names}
+        mask_strides = None
+        if prob.mask is not None:
+            m = prob.mask
+            compact = m.array[tuple(slice(0, 1) if s == 0 else slice(None) for s in m.strides)]
+            arrays["mask"] = np.ascontiguousarray(compact)
+            cs = c_strides(compact.shape)
+            mask_strides = tuple(0 if s == 0 else c for s, c in zip(m.strides, cs))
+        results = {}
+        for n in out_names:
+            op = getattr(prob, n)
+            dt = np.dtype(np.float32) if n == "lse" else prob.dtype
+            results[n] = op.array if op is not None else np.empty(out_shapes[n], dt)
+        staged = {n: np.empty(out_shapes[n], results[n].dtype) for n in out_names}
+        regions = _Workspace()
+        offsets = {n: regions.region(a.nbytes) for n, a in list(arrays.items()) + list(staged.items())}
+        base = _driver.alloc_async(regions.nbytes, device, handle)
+        try:
+            for n, a in arrays.items():
+                _driver.memcpy_htod_async(base + offsets[n], a.ctypes.data, a.nbytes, handle)
+            strides = {n: c_strides(a.shape) for n, a in list(arrays.items()) + list(staged.items())}
+            if mask_strides is not None:
+                strides["mask"] = mask_strides
+            ptr = {n: base + off for n, off in offsets.items()}
+            if fwd:
+                plan: _Plan = ForwardPlan(prob, strides, True)
+                vals = [ptr["q"], ptr["k"], ptr["v"], ptr["out"], ptr["lse"], ptr.get("mask", 0), 0, 0, 0]
+            else:
+                plan = BackwardPlan(prob, strides, True)
+                vals = [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")]
+                vals += [ptr.get("mask", 0), 0, 0]
+            execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0), None)
+            for n, a in staged.items():
+                _driver.memcpy_dtoh_async(a.ctypes.data, ptr[n], a.nbytes, handle)
+        finally:
+            _driver.free_async(base, handle)
+        _driver.synchronize(handle)
+        for n in out_names:
+            results[n][...] = staged[n]
+        return tuple(results[n] for n in out_names)
+    finally:
+        _driver.leave(pushed)
 
 
 def compile_info() -> Dict[str, Any]:

@@ -1,0 +1,144 @@
+"""The fast path of repeated calls: plans cached per call signature.
+
+A call on device arrays is described by its *signature*: for every array its
+kind, shape, strides, dtype and the low four bits of its address (which
+decide alignment and the 16-byte loads), plus the options, the host key
+lengths and the context.  The first call of a signature is validated in
+full (``pycudaflash._validate``) and leaves its plan
+(:class:`pycudaflash.cuda_backend.ForwardPlan`/``BackwardPlan``) here; a
+later call of the same signature only reads its pointers, checks that no
+output buffer overlaps another array, and launches.
+
+Nothing here holds on to the caller's arrays: a cache entry keeps the plan,
+its context and device, and the byte spans of its arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _driver, cuda_backend, compiler
+from ._arrays import byte_span
+from ._backends import cuda_status
+from ._problem import Problem
+
+#: Most plans kept; the oldest goes first beyond this.
+MAX_PLANS = 1024
+
+_plans: Dict[Any, Tuple[Any, int, int, Tuple[int, ...]]] = {}
+
+_OPAQUE = ("<V2", "|V2")
+
+
+def describe(obj: Any) -> Optional[Tuple[Any, int]]:
+    """``(metadata, pointer)`` of a device array, or None for anything else (host arrays included)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            return None
+        return (obj.shape, obj.stride(), obj.dtype, obj.device.index), obj.data_ptr()
+    try:
+        iface = obj.__cuda_array_interface__
+    except Exception:
+        return None
+    typestr = iface.get("typestr")
+    own = getattr(obj, "dtype", None) if typestr in _OPAQUE else None
+    data = iface["data"]
+    return (type(obj), tuple(iface["shape"]), iface.get("strides"), typestr, own, bool(data[1])), data[0] or 0
+
+
+def _key_lengths_key(key_lengths: Any) -> Any:
+    """The key lengths as part of a signature: host values, or ``False`` (not cacheable) for device ones."""
+    if key_lengths is None:
+        return None
+    if isinstance(key_lengths, (list, tuple)):
+        return tuple(key_lengths)
+    tolist = getattr(key_lengths, "tolist", None)
+    if callable(tolist) and type(key_lengths).__module__ == "numpy":
+        return tuple(tolist())
+    return False
+
+
+def _env() -> Tuple[Optional[str], ...]:
+    return tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
+
+
+def signature(kind: str, arrays: Sequence[Any], options: Tuple[Any, ...], key_lengths: Any
+              ) -> Optional[Tuple[Any, List[int], int, bool]]:
+    """``(key, pointers, context, pushed)`` of a call on device arrays, or None where there is no fast path.
+
+    The context is entered (:func:`pycudaflash._driver.enter`); the caller
+    leaves it.  ``arrays`` holds None for absent optional arrays.
+    """
+    if not cuda_status()[0]:
+        return None
+    metas = []
+    ptrs = []
+    for a in arrays:
+        if a is None:
+            metas.append(None)
+            ptrs.append(0)
+            continue
+        d = describe(a)
+        if d is None:
+            return None
+        metas.append(d[0])
+        ptrs.append(d[1])
+    klk = _key_lengths_key(key_lengths)
+    if klk is False:
+        return None
+    ctx, pushed = _driver.enter(cuda_backend._device_hint(arrays[0]))
+    low = tuple(p & 15 for p in ptrs)
+    key = (kind, ctx, tuple(metas), low, options, klk, _env())
+    try:
+        hash(key)
+    except TypeError:
+        _driver.leave(pushed)
+        return None
+    return key, ptrs, ctx, pushed
+
+
+def keeper(key: Any, prob: Problem, names: Sequence[str]):
+    """The ``keep`` callback of the backend's ``run_*``: files ``key``'s plan with its arrays' byte spans.
+
+    ``names``: the problem's operands in the order of the call's pointers.
+    """
+    spans = tuple(
+        byte_span(op.shape, op.strides, op.dtype.itemsize) if op is not None else 0
+        for op in (getattr(prob, n) for n in names)
+    )
+
+    def keep(plan: Any, ctx: int, device: int) -> None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = (plan, ctx, device, spans)
+
+    return keep
+
+
+def lookup(key: Any) -> Optional[Tuple[Any, int, int, Tuple[int, ...]]]:
+    return _plans.get(key)
+
+
+def outputs_disjoint(ptrs: Sequence[int], spans: Sequence[int], outputs: Sequence[int]) -> bool:
+    """Whether each given output's address range misses every other array's.
+
+    ``outputs``: indices of the outputs in ``ptrs``.  False means "maybe
+    overlapping": the full validation then decides.
+    """
+    for i in outputs:
+        p, s = ptrs[i], spans[i]
+        if not p or not s:
+            continue
+        end = p + s
+        for j, (q, t) in enumerate(zip(ptrs, spans)):
+            if j != i and q and t and q < end and p < q + t:
+                return False
+    return True
+
+
+def clear() -> None:
+    """Forget every cached plan."""
+    _plans.clear()
