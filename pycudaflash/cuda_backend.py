@@ -668,6 +668,20 @@ def stream_for(stream: Any, like: Any) -> int:
     return default_stream(like) if stream is None else stream_handle(stream)
 
 
+def plan_forward(prob: Problem) -> Tuple[ForwardPlan, int, int]:
+    """``(plan, context, device)`` of a validated device problem (compiles on first use)."""
+    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
+    try:
+        device = _driver.context_device(ctx)
+        _check_device(prob, device)
+        shapes = {"out": (prob.B, prob.H, prob.Nq, prob.D), "lse": (prob.B, prob.H, prob.Nq)}
+        ptrs = [op.ptr for op in (prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask) if op is not None]
+        return (ForwardPlan(prob, _plan_strides(prob, ("q", "k", "v", "out", "lse"), shapes), _aligned(ptrs)),
+                ctx, device)
+    finally:
+        _driver.leave(pushed)
+
+
 def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
     """Run the forward pass of a validated problem; return ``(out, lse)``.
 
@@ -676,19 +690,15 @@ def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any,
     """
     if not prob.on_device:
         return _run_host(prob, stream, "fwd")
-    like = prob.q.obj
-    ctx, pushed = _driver.enter(_device_hint(like))
+    plan, ctx, device = plan_forward(prob)
+    if keep is not None:
+        keep(plan, ctx, device)
+    ops = [prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask]
+    ptrs = [op.ptr if op is not None else 0 for op in ops]
+    objs = [op.obj if op is not None else None for op in ops]
+    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        device = _driver.context_device(ctx)
-        _check_device(prob, device)
-        handle = stream_for(stream, like)
-        shapes = {"out": (prob.B, prob.H, prob.Nq, prob.D), "lse": (prob.B, prob.H, prob.Nq)}
-        ops = [prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask]
-        ptrs = [op.ptr if op is not None else 0 for op in ops]
-        plan = ForwardPlan(prob, _plan_strides(prob, ("q", "k", "v", "out", "lse"), shapes), _aligned(ptrs))
-        if keep is not None:
-            keep(plan, ctx, device)
-        return launch_forward(plan, ctx, device, handle, ptrs, [op.obj if op is not None else None for op in ops])
+        return launch_forward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs)
     finally:
         _driver.leave(pushed)
 
@@ -722,24 +732,33 @@ def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: 
     return out, lse
 
 
+def plan_backward(prob: Problem) -> Tuple[BackwardPlan, int, int]:
+    """``(plan, context, device)`` of a validated device problem (compiles on first use)."""
+    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
+    try:
+        device = _driver.context_device(ctx)
+        _check_device(prob, device)
+        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
+        ptrs = [op.ptr for op in (getattr(prob, n) for n in BWD_OPERANDS) if op is not None]
+        return (BackwardPlan(prob, _plan_strides(prob, BWD_OPERANDS[:9], {"dq": qs, "dk": ks, "dv": ks}),
+                             _aligned(ptrs)), ctx, device)
+    finally:
+        _driver.leave(pushed)
+
+
 def run_backward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
     """Run the backward pass of a validated problem; return ``(dq, dk, dv)`` (``keep`` as in run_forward)."""
     if not prob.on_device:
         return _run_host(prob, stream, "bwd")
-    like = prob.q.obj
-    ctx, pushed = _driver.enter(_device_hint(like))
+    plan, ctx, device = plan_backward(prob)
+    if keep is not None:
+        keep(plan, ctx, device)
+    ops = [getattr(prob, n) for n in BWD_OPERANDS]
+    ptrs = [op.ptr if op is not None else 0 for op in ops]
+    objs = [op.obj if op is not None else None for op in ops]
+    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        device = _driver.context_device(ctx)
-        _check_device(prob, device)
-        handle = stream_for(stream, like)
-        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
-        ops = [getattr(prob, n) for n in BWD_OPERANDS]
-        ptrs = [op.ptr if op is not None else 0 for op in ops]
-        plan = BackwardPlan(prob, _plan_strides(prob, BWD_OPERANDS[:9], {"dq": qs, "dk": ks, "dv": ks}),
-                            _aligned(ptrs))
-        if keep is not None:
-            keep(plan, ctx, device)
-        return launch_backward(plan, ctx, device, handle, ptrs, [op.obj if op is not None else None for op in ops])
+        return launch_backward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs)
     finally:
         _driver.leave(pushed)
 

@@ -1,0 +1,333 @@
+"""Attention as a torch operator: :func:`flash_attention`.
+
+::
+
+    from pycudaflash.torch import flash_attention
+
+    out = flash_attention(q, k, v, causal=True)      # (B, H, N, D) tensors
+    out.sum().backward()                             # dq, dk, dv by the backward kernels
+
+The forward and backward passes are registered as torch custom operators
+(``torch.ops.pycudaflash.flash_fwd`` and ``flash_bwd``) with fake
+implementations and registered autograd, so :func:`flash_attention` works
+eagerly, under ``torch.compile(fullgraph=True)`` and inside a
+``torch.cuda.CUDAGraph`` capture.  CUDA tensors run the CUDA kernels on
+torch's *current* stream, with outputs and workspaces from torch's caching
+allocator, and never synchronise; CPU tensors run the NumPy backend, so the
+operator and its gradients work (slowly) without a GPU.
+
+An eager call on plain tensors goes straight to the same implementation the
+operators call, through one ``torch.autograd.Function``, which saves the
+operator dispatch (about 10 us a call); under ``torch.compile`` and for
+tensor subclasses (fake tensors, ...) the operators run.
+
+Each call signature (shapes, strides, dtype, device, options) is planned
+once (validation, kernel variant, grid, packed parameters); a repeated call
+only allocates its outputs and launches.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import _driver, _validate, compiler, cuda_backend
+from .semantics import normalize_causal, normalize_scale, normalize_window
+
+__all__ = ["flash_attention"]
+
+Tensor = torch.Tensor
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: Union[bool, str] = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    mask: Optional[Tensor] = None,
+    key_lengths: Optional[Union[Tensor, List[int], Tuple[int, ...]]] = None,
+    scale: Optional[float] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention ``softmax(scale * q k^T + bias) v``, differentiable in q, k and v.
+
+    Parameters
+    ----------
+    q : Tensor, shape (B, H, Nq, D)
+        Queries: float32, float16 or bfloat16, on a CUDA device or the CPU.
+        Any strides; a last dimension that is not contiguous is copied.
+    k, v : Tensor, shape (B, H, Nk, D)
+        Keys and values, same dtype and device as ``q``.
+    causal : bool or {'top_left', 'bottom_right'}, optional
+        As in :func:`pycudaflash.flash_attn_forward`.
+    window : (left, right), optional
+        Sliding window; ``None`` or ``-1`` leaves a side unbounded.
+    mask : Tensor, optional
+        Broadcastable to (B, H, Nq, Nk): bool (True = attend) or float (added
+        to the scaled scores), on the device of ``q``.  Not differentiated.
+    key_lengths : Tensor or sequence of int, optional
+        Shape (B,): keys at or past ``key_lengths[b]`` are padding.  A CPU
+        tensor or a list is checked to lie in [0, Nk]; a CUDA tensor is read
+        by the kernels in place (no copy, no synchronisation), values outside
+        [0, Nk] then count as the nearest end.
+    scale : float, optional
+        Score scale, default ``1/sqrt(D)``.
+    deterministic : bool, optional
+        Bit-identical gradients run to run (no atomics in the dQ reduction).
+    return_lse : bool, optional
+        Also return the natural-log log-sum-exp of each row, (B, H, Nq)
+        float32 (``-inf`` for a row that sees no key).  It is not
+        differentiable.
+
+    Returns
+    -------
+    out : Tensor, shape (B, H, Nq, D)
+        With the memory layout of ``q`` (a (B, N, H, D) view in, the same
+        view out), in the dtype of ``q``.
+    lse : Tensor, shape (B, H, Nq)
+        Only with ``return_lse=True``.
+    """
+    causal_mode = normalize_causal(causal)
+    left, right = normalize_window(window)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dimensions (B, H, Nq, D), got shape {tuple(q.shape)}")
+    scale_value = normalize_scale(scale, q.shape[-1])
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    kl = _key_lengths_tensor(key_lengths, q)
+    opts = (causal_mode, left, right, scale_value)
+    if not torch.compiler.is_compiling() and _plain(q, k, v, mask, kl):
+        out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic)
+    else:
+        out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, causal_mode, left, right, scale_value,
+                                                   deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _last_dim_contiguous(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    return t
+
+
+def _key_lengths_tensor(key_lengths: Any, q: Tensor) -> Optional[Tensor]:
+    """Key lengths as an int32 tensor: CPU values as given (checked later), CUDA ones as int32."""
+    if key_lengths is None:
+        return None
+    if isinstance(key_lengths, (list, tuple)):
+        key_lengths = torch.tensor(key_lengths)
+    if not isinstance(key_lengths, torch.Tensor):
+        raise TypeError(f"key_lengths must be a tensor, list or tuple of ints, got {type(key_lengths).__name__}")
+    if key_lengths.is_floating_point() or key_lengths.is_complex() or key_lengths.dtype == torch.bool:
+        raise TypeError(f"key_lengths must have an integer dtype, got {key_lengths.dtype}")
+    if key_lengths.is_cuda and key_lengths.dtype != torch.int32:
+        key_lengths = key_lengths.to(torch.int32)
+    return key_lengths
+
+
+def _plain(*tensors: Any) -> bool:
+    """Plain tensors (no subclass such as fake tensors) on CUDA or the CPU."""
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
+            return False
+    return True
+
+
+# --------------------------------------------------------------- the passes
+
+# Plans of the CUDA path per call signature: (plan, context, device).
+_plans: Dict[Any, Tuple[Any, int, int]] = {}
+
+
+def _meta(t: Optional[Tensor]) -> Any:
+    return None if t is None else (t.shape, t.stride(), t.dtype)
+
+
+def _kl_key(kl: Optional[Tensor]) -> Any:
+    """Key lengths in a signature: CPU values (checked once per value set), or the CUDA tensor's layout."""
+    if kl is None:
+        return None
+    if kl.is_cuda:
+        return ("device", kl.shape, kl.stride())
+    return tuple(kl.tolist())
+
+
+def _cuda_key(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
+              opts: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """The signature of a call on CUDA tensors.
+
+    ``tensors`` are the inputs whose layout the caller chose; the outputs
+    (``torch.empty_like`` of them) and the saved ``out`` and ``lse`` follow
+    from those.  Every pointer's alignment to 16 bytes is part of it.
+    """
+    low = 0 if mask is None else mask.data_ptr() & 15
+    for t in tensors:
+        low |= t.data_ptr() & 15
+    return (kind, tensors[0].device.index, tuple(_meta(t) for t in tensors), _meta(mask), _kl_key(kl), opts,
+            low == 0, tuple(os.environ.get(name) for name in compiler.TUNING_ENV))
+
+
+def _host_key_lengths(kl: Optional[Tensor]) -> Any:
+    """What validation receives as key lengths: CPU values; None for CUDA ones (checked for shape only)."""
+    if kl is None or kl.is_cuda:
+        return None
+    return kl.numpy()
+
+
+def _check_device_key_lengths(kl: Optional[Tensor], q: Tensor) -> None:
+    if kl is None or not kl.is_cuda:
+        return
+    if tuple(kl.shape) != (q.shape[0],):
+        raise ValueError(f"key_lengths must have shape (B,) = ({q.shape[0]},), got {tuple(kl.shape)}")
+    if kl.device != q.device:
+        raise ValueError(f"key_lengths is on {kl.device} but q is on {q.device}")
+
+
+def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
+                  opts: Tuple[Any, ...]) -> Tuple[Tensor, Tensor]:
+    """Forward pass into new tensors: ``out`` with ``q``'s layout, ``lse`` contiguous float32."""
+    causal, left, right, scale = opts
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if not q.is_cuda:
+        from .api import flash_attn_forward
+
+        flash_attn_forward(q, k, v, causal=causal if causal != "none" else False, window=(left, right),
+                           mask=mask, key_lengths=kl, scale=scale, out=out, lse=lse, backend="numpy")
+        return out, lse
+    key = _cuda_key("fwd", (q, k, v), mask, kl, opts)
+    hit = _plans.get(key)
+    if hit is None:
+        _check_device_key_lengths(kl, q)
+        prob = _validate.validate_forward(
+            q, k, v, causal=causal if causal != "none" else False, window=(left, right), mask=mask,
+            key_lengths=_host_key_lengths(kl), scale=scale, out=out, lse=lse)
+        hit = _plans[key] = cuda_backend.plan_forward(prob)
+    plan, _, device = hit
+    ctx, pushed = _driver.enter(device)
+    try:
+        cuda_backend.launch_forward(
+            plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
+            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+             mask.data_ptr() if mask is not None else 0),
+            (q, k, v, out, lse, mask), kl.data_ptr() if kl is not None and kl.is_cuda else 0)
+    finally:
+        _driver.leave(pushed)
+    return out, lse
+
+
+def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   mask: Optional[Tensor], kl: Optional[Tensor], opts: Tuple[Any, ...],
+                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward pass into new tensors laid out like q, k and v."""
+    causal, left, right, scale = opts
+    dout = _last_dim_contiguous(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if not q.is_cuda:
+        from .api import flash_attn_backward
+
+        flash_attn_backward(dout, q, k, v, out, lse, causal=causal if causal != "none" else False,
+                            window=(left, right), mask=mask, key_lengths=kl, scale=scale,
+                            deterministic=deterministic, dq=dq, dk=dk, dv=dv, backend="numpy")
+        return dq, dk, dv
+    key = _cuda_key("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,))
+    hit = _plans.get(key)
+    if hit is None:
+        _check_device_key_lengths(kl, q)
+        prob = _validate.validate_backward(
+            dout, q, k, v, out, lse, causal=causal if causal != "none" else False, window=(left, right),
+            mask=mask, key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic,
+            dq=dq, dk=dk, dv=dv)
+        hit = _plans[key] = cuda_backend.plan_backward(prob)
+    plan, _, device = hit
+    ctx, pushed = _driver.enter(device)
+    try:
+        cuda_backend.launch_backward(
+            plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
+            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), mask.data_ptr() if mask is not None else 0),
+            (q, k, v, out, dout, lse, dq, dk, dv, mask), kl.data_ptr() if kl is not None and kl.is_cuda else 0)
+    finally:
+        _driver.leave(pushed)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------ eager autograd path
+
+
+class _Attention(torch.autograd.Function):
+    """Eager path: forward and backward call the implementations directly."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
+                opts: Tuple[Any, ...], deterministic: bool) -> Tuple[Tensor, Tensor]:
+        out, lse = _forward_impl(q, k, v, mask, kl, opts)
+        ctx.save_for_backward(q, k, v, out, lse, mask, kl)
+        ctx.opts, ctx.deterministic = opts, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
+        q, k, v, out, lse, mask, kl = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, mask, kl, ctx.opts, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------- custom operators
+
+
+@torch.library.custom_op("pycudaflash::flash_fwd", mutates_args=())
+def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
+              causal: str, window_left: int, window_right: int, scale: float,
+              deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """Forward operator: ``(out, lse)``; ``deterministic`` is kept for the backward."""
+    return _forward_impl(q, k, v, mask, key_lengths, (causal, window_left, window_right, scale))
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
+                    causal: str, window_left: int, window_right: int, scale: float,
+                    deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("pycudaflash::flash_bwd", mutates_args=())
+def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor],
+              key_lengths: Optional[Tensor], causal: str, window_left: int, window_right: int, scale: float,
+              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward operator: ``(dq, dk, dv)``."""
+    return _backward_impl(dout, q, k, v, out, lse, mask, key_lengths, (causal, window_left, window_right, scale),
+                          deterministic)
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    mask: Optional[Tensor], key_lengths: Optional[Tensor], causal: str, window_left: int,
+                    window_right: int, scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:
+    q, k, v, mask, kl, causal, left, right, scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, kl)
+    ctx.args = (causal, left, right, scale, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
+    q, k, v, out, lse, mask, kl = ctx.saved_tensors
+    dq, dk, dv = torch.ops.pycudaflash.flash_bwd(dout, q, k, v, out, lse, mask, kl, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)
