@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Time one GPT training step with pluggable attention: torch SDPA beside pycudaflash.
+
+Method
+------
+* Model: a GPT-2 style decoder, ``--layers`` pre-LayerNorm blocks of width
+  ``--width`` with ``--heads`` heads (head dim = width / heads), causal
+  self-attention, an MLP of 4 x width with GELU (tanh form), learned
+  position embeddings, a final LayerNorm and an LM head *tied* to the token
+  embedding.  Init: normal(0, 0.02), output projections of each block
+  scaled by 1/sqrt(2 * layers).  Optimizer: AdamW (lr 3e-4, betas
+  (0.9, 0.95), weight decay 0.1 on every parameter; fused on CUDA).
+* Precision: float32 weights; on CUDA the forward pass and the loss run under
+  ``torch.autocast(device_type="cuda", dtype=torch.bfloat16)``, so the
+  attention inputs are bfloat16; on the CPU everything is float32.
+* Attention: the qkv projection output (B, N, 3C) is viewed as
+  (B, N, 3, H, D) and each of q, k, v is a (B, H, N, D) ``transpose(1, 2)``
+  view of it (no copy); the attention output is transposed back and
+  reshaped to (B, N, C).  That code is the same for every implementation,
+  which only supplies ``attn(q, k, v)`` and a context entered around the
+  forward pass:
+
+  - ``sdpa-flash``: ``F.scaled_dot_product_attention(..., is_causal=True)``
+    under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``;
+  - ``sdpa-cudnn``: the same under ``SDPBackend.CUDNN_ATTENTION``;
+  - ``sdpa-math``: the same under ``SDPBackend.MATH`` (CPU reference);
+  - ``pycudaflash``: ``pycudaflash.torch.flash_attention(q, k, v, causal=True)``.
+* Per shape (``--shapes``, batch x tokens): the model is built once with
+  ``--seed``; every implementation trains a ``copy.deepcopy`` of those
+  initial weights with a fresh AdamW on the same batch (random tokens from a
+  fixed generator; targets are the inputs shifted by one).  A step is the
+  forward pass, the cross-entropy loss, ``backward()``, ``optimizer.step()``
+  and ``zero_grad(set_to_none=True)``.  ``--warmup`` untimed steps, then
+  ``--steps`` steps each timed with CUDA events (``time.perf_counter`` on the
+  CPU); median and mean ms per step are reported.
+* First-step loss: the loss of each implementation's first step, computed on
+  its fresh copy before any update, so every implementation sees identical
+  weights and data; ``|dloss|`` is its distance from sdpa-flash's.
+* ratio = median ms/step of the implementation / that of sdpa-flash
+  (<= 1: no slower than torch's flash backend).
+* An implementation that raises (e.g. cuDNN without support for a shape) is
+  reported as n/a with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)); x + mlp(ln2(x))."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.fc_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        B, N, C = x.shape
+        H = self.heads
+        qkv = self.qkv(self.ln1(x)).view(B, N, 3, H, C // H)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views
+        y = attn(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``layers`` blocks, final LayerNorm, tied LM head."""
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, max_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(max_len, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied embeddings
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x, attn)
+        return self.head(self.ln_f(x))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from pycudaflash.torch import flash_attention
+
+    return flash_attention(q, k, v, causal=True)
+
+
+#: name -> (attn function, factory of the context entered around the forward pass)
+IMPLS: Dict[str, Tuple[AttnFn, Callable[[], Any]]] = {
+    "sdpa-flash": (_sdpa, lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
+    "sdpa-cudnn": (_sdpa, lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
+    "sdpa-math": (_sdpa, lambda: sdpa_kernel(SDPBackend.MATH)),
+    "pycudaflash": (_ours, contextlib.nullcontext),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options; CUDA defaults are the GPT-2 small sizes, CPU ones are tiny."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    p.add_argument("--layers", type=int, default=None, help="default 12 (CUDA) / 2 (CPU)")
+    p.add_argument("--width", type=int, default=None, help="default 768 (CUDA) / 64 (CPU)")
+    p.add_argument("--heads", type=int, default=None, help="default 12 (CUDA) / 2 (CPU)")
+    p.add_argument("--vocab", type=int, default=None, help="default 8192 (CUDA) / 256 (CPU)")
+    p.add_argument("--shapes", default=None, help="batch x tokens, comma separated; default "
+                   "8x1024,2x4096,32x256 (CUDA) / 2x64 (CPU)")
+    p.add_argument("--impls", default=None, help="comma separated subset of " + ",".join(IMPLS)
+                   + "; default sdpa-flash,sdpa-cudnn,pycudaflash (CUDA) / sdpa-flash,sdpa-math,pycudaflash (CPU)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per implementation")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    a = p.parse_args()
+    cuda = a.device == "cuda"
+    for name, gpu, cpu in (("layers", 12, 2), ("width", 768, 64), ("heads", 12, 2), ("vocab", 8192, 256),
+                           ("shapes", "8x1024,2x4096,32x256", "2x64"),
+                           ("impls", "sdpa-flash,sdpa-cudnn,pycudaflash", "sdpa-flash,sdpa-math,pycudaflash")):
+        if getattr(a, name) is None:
+            setattr(a, name, gpu if cuda else cpu)
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no GPU")
+    if a.width % a.heads:
+        p.error("--width must be a multiple of --heads")
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    try:
+        a.shapes = [tuple(int(n) for n in s.lower().split("x")) for s in a.shapes.split(",")]
+        assert all(len(s) == 2 and min(s) >= 1 for s in a.shapes)
+    except (ValueError, AssertionError):
+        p.error("--shapes must look like 8x1024,2x4096")
+    a.impls = a.impls.split(",")
+    unknown = [i for i in a.impls if i not in IMPLS]
+    if unknown:
+        p.error(f"unknown --impls {unknown}; choose from {list(IMPLS)}")
+    return a
+
+
+def run_impl(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor, a: argparse.Namespace) -> Dict[str, Any]:
+    """Train a copy of ``base`` with one implementation; return its timings and first-step loss."""
+    attn, kernel_ctx = IMPLS[name]
+    cuda = idx.is_cuda
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    amp = (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+
+    def step() -> torch.Tensor:
+        with amp(), kernel_ctx():
+            logits = model(idx, attn)
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tgt.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    first = step()  # on the fresh copy: the loss before any update
+    for _ in range(a.warmup - 1):
+        step()
+    times: List[float] = []
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(a.steps)]
+        torch.cuda.synchronize()
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times),
+            "first_loss": first.item(), "times_ms": times, "steps_run": max(a.warmup, 1) + a.steps}
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def main() -> None:
+    a = parse_args()
+    device = torch.device(a.device)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
+          f"{torch.__version__}; GPT {a.layers} layers, width {a.width}, {a.heads} heads (D "
+          f"{a.width // a.heads}), vocab {a.vocab}, tied embeddings, "
+          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}; warmup {a.warmup}, steps {a.steps}")
+    results: List[Dict[str, Any]] = []
+    for B, N in a.shapes:
+        torch.manual_seed(a.seed)
+        base = GPT(a.vocab, a.width, a.heads, a.layers, N).to(device)
+        gen = torch.Generator().manual_seed(a.seed + 1)
+        tokens = torch.randint(a.vocab, (B, N + 1), generator=gen).to(device)
+        idx, tgt = tokens[:, :-1], tokens[:, 1:]
+        rows: List[Dict[str, Any]] = []
+        for name in a.impls:
+            row: Dict[str, Any] = {"shape": f"{B}x{N}", "batch": B, "tokens": N, "impl": name}
+            try:
+                row.update(run_impl(base, name, idx, tgt, a))
+            except Exception as e:  # reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            rows.append(row)
+        flash = next((r for r in rows if r["impl"] == "sdpa-flash" and "error" not in r), None)
+        for r in rows:
+            ok = "error" not in r and flash is not None
+            r["ratio_vs_flash"] = r["median_ms"] / flash["median_ms"] if ok else None
+            r["loss_diff_vs_flash"] = abs(r["first_loss"] - flash["first_loss"]) if ok else None
+        results += rows
+        del base
+
+    print()
+    print("| shape | impl | ms/step median | ms/step mean | ratio vs sdpa-flash | first-step loss | |loss - flash| |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['impl']} | n/a | n/a | n/a | n/a | n/a ({r['error']}) |")
+            continue
+        print(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} | "
+              f"{_fmt(r['ratio_vs_flash'], '.3f')} | {r['first_loss']:.5f} | "
+              f"{_fmt(r['loss_diff_vs_flash'], '.2e')} |")
+    if a.json:
+        config = {k: v for k, v in vars(a).items() if k != "json"}
+        with open(a.json, "w") as f:
+            json.dump({"config": config, "torch": torch.__version__,
+                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                       "results": results}, f, indent=1)
+        print(f"\nwrote {a.json}")
+    print("done")
+
+
+if __name__ == "__main__":
+    main()
