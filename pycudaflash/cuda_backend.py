@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _driver, compiler
-from ._problem import Operand, Problem
+from ._problem import Problem
 from ._streams import default_stream, stream_handle
 from .semantics import BAND_UNBOUNDED
 

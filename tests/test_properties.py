@@ -489,8 +489,7 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     # The kernels the library picks by default (a session-scoped 'cuda-mma'
     # run may still have the Hopper kernels switched off).
     monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
-    counters = cuda_backend._job_counters
-    counters_before = len(counters)
+    counters_before = len(cuda_backend.job_counters())
     inputs = [make_inputs(p) for p in _PERSISTENT_PROBLEMS]
     alone = []
     for p, x in zip(_PERSISTENT_PROBLEMS, inputs):
@@ -508,14 +507,15 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
             s.synchronize()
         for p, a, res in zip(_PERSISTENT_PROBLEMS, alone, launched):
             assert _bytes(*res[:2]) == a, f"{p}: forward differs when run on two streams at once"
+    counters = cuda_backend.job_counters()
     if compiler.arch_of_current_device() in compiler.HOPPER_ARCHES:
         # The default stream's counter may come from an earlier test; each
         # new stream gets its own.
         assert len(counters) >= max(counters_before, 1) + 2, \
             "the persistent forward did not use one job counter per stream"
-    for key, jc in counters.items():
+    for key, ptr in counters.items():
         left = np.full(2, -1, np.int32)
-        drv.memcpy_dtoh(left, jc.alloc)
+        drv.memcpy_dtoh(left, ptr)
         assert not left.any(), f"job counter of {key} left at {left.tolist()} after its launches"
 
 
