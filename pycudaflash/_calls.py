@@ -2,8 +2,8 @@
 
 A call on device arrays is described by its *signature*: for every array its
 kind, shape, strides, dtype and the low four bits of its address (which
-decide alignment and the 16-byte loads), plus the options, the host key
-lengths and the context.  The first call of a signature is validated in
+decide alignment and the 16-byte loads), plus the options, whether host key
+lengths are given, and the context.  The first call of a signature is validated in
 full (``pycudaflash._validate``) and leaves its plan
 (:class:`pycudaflash.cuda_backend.ForwardPlan`/``BackwardPlan``) here; a
 later call of the same signature only reads its pointers, checks that no
@@ -19,7 +19,9 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _driver, cuda_backend, compiler
+import numpy as np
+
+from . import _driver, _validate, compiler, cuda_backend
 from ._arrays import byte_span
 from ._backends import cuda_status
 from ._problem import Problem
@@ -50,15 +52,20 @@ def describe(obj: Any) -> Optional[Tuple[Any, int]]:
 
 
 def _key_lengths_key(key_lengths: Any) -> Any:
-    """The key lengths as part of a signature: host values, or ``False`` (not cacheable) for device ones."""
+    """The key lengths in a signature: ``'host'`` (values checked on every call), None, or
+    ``False`` (no fast path) for device ones."""
     if key_lengths is None:
         return None
-    if isinstance(key_lengths, (list, tuple)):
-        return tuple(key_lengths)
-    tolist = getattr(key_lengths, "tolist", None)
-    if callable(tolist) and type(key_lengths).__module__ == "numpy":
-        return tuple(tolist())
+    if isinstance(key_lengths, (list, tuple, np.ndarray)):
+        return "host"
     return False
+
+
+def host_key_lengths(key_lengths: Any, plan: Any) -> Optional[np.ndarray]:
+    """A repeated call's host key lengths, checked against its plan's (B, Nk)."""
+    if key_lengths is None:
+        return None
+    return _validate.host_key_lengths(key_lengths, plan.dims[0], plan.dims[3])
 
 
 def _env() -> Tuple[Optional[str], ...]:

@@ -546,6 +546,21 @@ def _check_key_lengths(
     return np.ascontiguousarray(lengths, dtype=np.int32)
 
 
+def host_key_lengths(obj: Any, B: int, Nk: int) -> np.ndarray:
+    """Host key lengths (list, tuple or numpy array) checked for a (B, Nk) problem, as int32.
+
+    The per-call check of a repeated call whose plan is already made.
+    """
+    dims = _Dims(B=B, H=1, Nq=1, Nk=Nk, D=1)
+    if isinstance(obj, (list, tuple)):
+        obj = _sequence_to_array(obj)
+    if not isinstance(obj, np.ndarray):
+        raise TypeError(f"key_lengths must be a list, tuple or numpy array here, got {type(obj).__name__}")
+    _check_key_lengths_meta(obj.shape, obj.dtype, dims)
+    _check_key_lengths_values(obj, Nk)
+    return np.ascontiguousarray(obj, dtype=np.int32)
+
+
 def _sequence_to_array(values: Sequence[Any]) -> np.ndarray:
     """``np.asarray`` of a list/tuple of key lengths; ragged input raises ValueError."""
     try:

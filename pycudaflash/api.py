@@ -115,7 +115,8 @@ def flash_attn_forward(
 
                 plan, _, device, _ = hit
                 handle = cuda_backend.stream_for(stream, q)
-                return cuda_backend.launch_forward(plan, ctx, device, handle, ptrs, (q, k, v, out, lse, mask))
+                return cuda_backend.launch_forward(plan, ctx, device, handle, ptrs, (q, k, v, out, lse, mask),
+                                                   kl_host=_calls.host_key_lengths(key_lengths, plan))
         finally:
             _driver.leave(pushed)
     prob = _validate.validate_forward(
@@ -202,7 +203,8 @@ def flash_attn_backward(
 
                 plan, _, device, _ = hit
                 handle = cuda_backend.stream_for(stream, q)
-                return cuda_backend.launch_backward(plan, ctx, device, handle, ptrs, arrays)
+                return cuda_backend.launch_backward(plan, ctx, device, handle, ptrs, arrays,
+                                                    kl_host=_calls.host_key_lengths(key_lengths, plan))
         finally:
             _driver.leave(pushed)
     prob = _validate.validate_backward(

@@ -384,13 +384,14 @@ class _Plan:
     kernels: List[_Kernel]
     ws_bytes: int
     kl_offset: int  # workspace offset of host key lengths (-1: none)
-    kl_host: Optional[np.ndarray]  # validated host key lengths of this signature
+    dims: Tuple[int, int, int, int, int]  # B, H, Nq, Nk, D
     counter: bool
     shapes: Tuple[Tuple[int, ...], ...]  # shapes of the outputs
     dtype: np.dtype  # dtype of the inputs (and of every output but lse)
 
     def _describe(self, prob: Problem, shapes: Tuple[Tuple[int, ...], ...]) -> None:
-        self.shapes, self.dtype, self.kl_host = shapes, prob.dtype, prob.key_lengths
+        self.shapes, self.dtype = shapes, prob.dtype
+        self.dims = (prob.B, prob.H, prob.Nq, prob.Nk, prob.D)
 
     def launch(self, vals: List[int], ctx: int, stream: int) -> None:
         """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place)."""
@@ -419,7 +420,7 @@ class ForwardPlan(_Plan):
         hopper = var.pass_ == "fwd_sm90"
         ws = _Workspace()
         self._describe(prob, ((B, H, Nq, D), (B, H, Nq)))
-        self.kl_offset = ws.region(4 * B) if self.kl_host is not None else -1
+        self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
         mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
         itemsize = np.dtype(prob.dtype).itemsize
         # 16-bit outputs are stored in aligned pairs under the same condition.
@@ -508,7 +509,7 @@ class BackwardPlan(_Plan):
         off_d = ws.region(4 * rows)
         off_l2 = ws.region(4 * rows)
         self._describe(prob, ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)))
-        self.kl_offset = ws.region(4 * B) if self.kl_host is not None else -1
+        self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
         off_dq = -1 if prob.deterministic else ws.region(4 * rows * D)
         mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
         d_ref, l2_ref = _Ref(self.WS, off_d), _Ref(self.WS, off_l2)
@@ -698,18 +699,20 @@ def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any,
     objs = [op.obj if op is not None else None for op in ops]
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        return launch_forward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs)
+        return launch_forward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs,
+                              kl_host=prob.key_lengths)
     finally:
         _driver.leave(pushed)
 
 
 def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                   objs: Sequence[Any], device_kl: int = 0):
+                   objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None):
     """Allocate missing outputs and launch ``plan``; return ``(out, lse)``.
 
     ``ptrs`` and ``objs``: pointers and objects of q, k, v, out, lse, mask
-    (None and 0 where absent).  ``device_kl``: device int32 key lengths
-    read in place (the plan's host key lengths are copied otherwise).
+    (None and 0 where absent).  Key lengths, where the plan has them:
+    ``device_kl``, a device int32 array read in place, or ``kl_host``,
+    validated host int32 values copied into the workspace.
     """
     like = objs[0]
     out, lse = objs[3], objs[4]
@@ -728,7 +731,7 @@ def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: 
         vals[plan.L] = _ptr(lse)
     else:
         vals[plan.L] = ptrs[4]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl), like)
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like)
     return out, lse
 
 
@@ -758,7 +761,8 @@ def run_backward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any
     objs = [op.obj if op is not None else None for op in ops]
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        return launch_backward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs)
+        return launch_backward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs,
+                               kl_host=prob.key_lengths)
     finally:
         _driver.leave(pushed)
 
@@ -768,11 +772,11 @@ BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
 
 
 def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                    objs: Sequence[Any], device_kl: int = 0):
+                    objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None):
     """Allocate missing gradients and launch ``plan``; return ``(dq, dk, dv)``.
 
-    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl`` as in
-    :func:`launch_forward`.
+    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl`` and
+    ``kl_host`` as in :func:`launch_forward`.
     """
     like = objs[0]
     vals = [0] * plan.N_VALS
@@ -787,21 +791,22 @@ def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs
             vals[slot] = _ptr(grads[i])
         else:
             vals[slot] = ptrs[6 + i]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl), like)
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like)
     return tuple(grads)
 
 
-def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int) -> Optional[np.ndarray]:
+def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int,
+                     kl_host: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """Host key lengths to copy into the workspace (None when absent or read on the device)."""
     if device_kl:
         vals[plan.KL] = device_kl
         return None
-    if plan.kl_host is None:
+    if kl_host is None:
         return None
     if stream not in (0, 1, 2) and _driver.is_capturing(stream):
         raise ValueError("key_lengths given on the host cannot be captured into a graph: pass them as an int32 "
                          "device tensor to pycudaflash.torch.flash_attention")
-    return plan.kl_host
+    return kl_host
 
 
 def _refuse_capture(like: Any, stream: int, names: str) -> None:
@@ -882,7 +887,7 @@ def _run_host(prob: Problem, stream: Any, kind: str):
                 plan = BackwardPlan(prob, strides, True)
                 vals = [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")]
                 vals += [ptr.get("mask", 0), 0, 0]
-            execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0), None)
+            execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0, prob.key_lengths), None)
             for n, a in staged.items():
                 _driver.memcpy_dtoh_async(a.ctypes.data, ptr[n], a.nbytes, handle)
         finally:

@@ -87,8 +87,10 @@ def flash_attention(
     Returns
     -------
     out : Tensor, shape (B, H, Nq, D)
-        With the memory layout of ``q`` (a (B, N, H, D) view in, the same
-        view out), in the dtype of ``q``.
+        In the dtype of ``q``; contiguous when ``q`` is, else a (B, Nq, H, D)
+        tensor viewed as (B, H, Nq, D) (as torch SDPA's flash backend does),
+        so that merging the heads back (``out.transpose(1, 2).reshape(...)``)
+        is free.  The gradients follow the same rule for q, k and v.
     lse : Tensor, shape (B, H, Nq)
         Only with ``return_lse=True``.
     """
@@ -143,8 +145,9 @@ def _plain(*tensors: Any) -> bool:
 
 # --------------------------------------------------------------- the passes
 
-# Plans of the CUDA path per call signature: (plan, context, device).
+# Plans of the CUDA path per call signature: (plan, context, device), the oldest dropped past MAX_PLANS.
 _plans: Dict[Any, Tuple[Any, int, int]] = {}
+MAX_PLANS = 1024
 
 
 def _meta(t: Optional[Tensor]) -> Any:
@@ -152,12 +155,36 @@ def _meta(t: Optional[Tensor]) -> Any:
 
 
 def _kl_key(kl: Optional[Tensor]) -> Any:
-    """Key lengths in a signature: CPU values (checked once per value set), or the CUDA tensor's layout."""
+    """Key lengths in a signature: the CUDA tensor's layout, or ``'host'`` (values checked every call)."""
     if kl is None:
         return None
+    return ("device", kl.shape, kl.stride()) if kl.is_cuda else "host"
+
+
+def _kl_args(kl: Optional[Tensor], plan: Any) -> Tuple[int, Any]:
+    """``(device pointer, checked host values)`` of a call's key lengths."""
+    if kl is None:
+        return 0, None
     if kl.is_cuda:
-        return ("device", kl.shape, kl.stride())
-    return tuple(kl.tolist())
+        return kl.data_ptr(), None
+    return 0, _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
+
+
+def _remember(key: Any, entry: Tuple[Any, int, int]) -> Tuple[Any, int, int]:
+    if len(_plans) >= MAX_PLANS:
+        _plans.pop(next(iter(_plans)))
+    _plans[key] = entry
+    return entry
+
+
+def empty_like_layout(t: Tensor) -> Tensor:
+    """A new tensor shaped like the (B, H, N, D) tensor ``t``: contiguous when ``t`` is, else
+    (B, N, H, D) storage viewed as (B, H, N, D), the layout of q, k, v sliced from one
+    projection, so that ``out.transpose(1, 2).reshape(B, N, H * D)`` needs no copy."""
+    if t.is_contiguous():
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    B, H, N, D = t.shape
+    return t.new_empty((B, N, H, D)).transpose(1, 2)
 
 
 def _cuda_key(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
@@ -193,9 +220,9 @@ def _check_device_key_lengths(kl: Optional[Tensor], q: Tensor) -> None:
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
                   opts: Tuple[Any, ...]) -> Tuple[Tensor, Tensor]:
-    """Forward pass into new tensors: ``out`` with ``q``'s layout, ``lse`` contiguous float32."""
+    """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse`` contiguous."""
     causal, left, right, scale = opts
-    out = torch.empty_like(q)
+    out = empty_like_layout(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if not q.is_cuda:
         from .api import flash_attn_forward
@@ -210,15 +237,16 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
         prob = _validate.validate_forward(
             q, k, v, causal=causal if causal != "none" else False, window=(left, right), mask=mask,
             key_lengths=_host_key_lengths(kl), scale=scale, out=out, lse=lse)
-        hit = _plans[key] = cuda_backend.plan_forward(prob)
+        hit = _remember(key, cuda_backend.plan_forward(prob))
     plan, _, device = hit
+    kl_dev, kl_host = _kl_args(kl, plan)
     ctx, pushed = _driver.enter(device)
     try:
         cuda_backend.launch_forward(
             plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
             (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
              mask.data_ptr() if mask is not None else 0),
-            (q, k, v, out, lse, mask), kl.data_ptr() if kl is not None and kl.is_cuda else 0)
+            (q, k, v, out, lse, mask), kl_dev, kl_host)
     finally:
         _driver.leave(pushed)
     return out, lse
@@ -230,7 +258,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     """Backward pass into new tensors laid out like q, k and v."""
     causal, left, right, scale = opts
     dout = _last_dim_contiguous(dout)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     if not q.is_cuda:
         from .api import flash_attn_backward
 
@@ -246,15 +274,16 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             dout, q, k, v, out, lse, causal=causal if causal != "none" else False, window=(left, right),
             mask=mask, key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic,
             dq=dq, dk=dk, dv=dv)
-        hit = _plans[key] = cuda_backend.plan_backward(prob)
+        hit = _remember(key, cuda_backend.plan_backward(prob))
     plan, _, device = hit
+    kl_dev, kl_host = _kl_args(kl, plan)
     ctx, pushed = _driver.enter(device)
     try:
         cuda_backend.launch_backward(
             plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
             (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
              dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), mask.data_ptr() if mask is not None else 0),
-            (q, k, v, out, dout, lse, dq, dk, dv, mask), kl.data_ptr() if kl is not None and kl.is_cuda else 0)
+            (q, k, v, out, dout, lse, dq, dk, dv, mask), kl_dev, kl_host)
     finally:
         _driver.leave(pushed)
     return dq, dk, dv
@@ -297,7 +326,7 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengt
 def _flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
                     causal: str, window_left: int, window_right: int, scale: float,
                     deterministic: bool) -> Tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("pycudaflash::flash_bwd", mutates_args=())
@@ -313,7 +342,7 @@ def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 def _flash_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     mask: Optional[Tensor], key_lengths: Optional[Tensor], causal: str, window_left: int,
                     window_right: int, scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tensor]) -> None:

@@ -80,9 +80,48 @@ def main(argv=None) -> int:
             failures += not ok
             print(f"{dtype:8s} D={D:3d} B,H,Nq,Nk={B},{H},{Nq},{Nk} {name:20s} max err {max(errs):.2e} lse -inf pattern {'ok' if same_inf else 'WRONG'}"
                   f" {'ok' if ok else 'FAIL'}", flush=True)
+    failures += _torch_cases(rng)
     print("sanitize cases:", "all ok" if not failures else f"{failures} failed")
     cuda_backend.deactivate()
     return 1 if failures else 0
+
+
+def _torch_cases(rng) -> int:
+    """The torch operator's path (torch allocations, torch's current stream, device key
+    lengths read in place, (B, N, H, D) views) and the plain API on a side stream."""
+    try:
+        import torch
+    except ImportError:
+        print("torch cases: skipped (torch is not installed)")
+        return 0
+    from pycudaflash.torch import flash_attention
+
+    failures = 0
+    B, H, Nq, Nk, D = 2, 3, 97, 130, 64
+    side = torch.cuda.Stream()
+    for tdt, ndt in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")):
+        qkv = torch.randn(B, Nk, 3, H, D, device="cuda").to(tdt)
+        q, k, v = (qkv[:, -Nq:, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        kl = torch.tensor([Nk, 77], device="cuda", dtype=torch.int32)
+        mask = torch.from_numpy(rng.random((1, H, Nq, Nk)) > 0.3).cuda()
+        dout = torch.randn(B, H, Nq, D, device="cuda").to(tdt)
+        kw = dict(causal="bottom_right", mask=mask)
+        with torch.cuda.stream(side):
+            out = flash_attention(q, k, v, key_lengths=kl, **kw)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+        host = [t.detach().float().cpu().numpy() for t in (q, k, v, dout)]
+        hkw = dict(kw, mask=mask.cpu().numpy(), key_lengths=np.array([Nk, 77]))
+        ro, _ = reference_forward(*host[:3], **hkw)
+        rg = reference_backward(host[3], *host[:3], **hkw)
+        errs = [relative_error(out.detach().float().cpu().numpy().astype(np.float64), ro)]
+        errs += [relative_error(g.float().cpu().numpy().astype(np.float64), r) for g, r in zip((dq, dk, dv), rg)]
+        ok = all(e <= BOUNDS[ndt] for e in errs)
+        failures += not ok
+        print(f"torch op {ndt:8s} side stream, device key lengths, bnhd views: max err {max(errs):.2e} "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+    return failures
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ def main() -> None:
             try:
                 row.update(run_impl(base, name, idx, tgt, a))
             except Exception as e:  # reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                text = str(e).strip().replace("|", "/")
+                row["error"] = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -248,7 +249,8 @@ def main() -> None:
         del base
 
     print()
-    print("| shape | impl | ms/step median | ms/step mean | ratio vs sdpa-flash | first-step loss | |loss - flash| |")
+    print("| shape | impl | ms/step median | ms/step mean | ratio vs sdpa-flash | first-step loss "
+          "| abs(loss - flash loss) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "error" in r:

@@ -326,7 +326,8 @@ def test_op_on_a_side_stream_gives_the_default_streams_bits() -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        got = _fwd_bwd(q, k, v, dout)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        got = _fwd_bwd(*leaves, dout)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
@@ -408,21 +409,25 @@ _THREAD_SCRIPT = textwrap.dedent("""
     out = flash_attention(q, k, v, causal=True)
     out.float().square().sum().backward()          # backward on torch's autograd thread
     torch.cuda.synchronize()
-    errors = []
+    found = []
     def worker():                                   # a thread with no CUDA context of its own
         try:
             a = q.detach()
             flash_attn_forward(a, a, a)
+            flash_attention(a, a, a)
             torch.cuda.synchronize()
-            err, ctx = driver.cuCtxGetCurrent()
-            errors.append(int(ctx))
+            depth = 0                               # contexts stacked on this thread now
+            while int(driver.cuCtxGetCurrent()[1]) != 0:
+                driver.cuCtxPopCurrent()
+                depth += 1
+            found.append(depth)
         except Exception as exc:
-            errors.append(repr(exc))
+            found.append(repr(exc))
     t = threading.Thread(target=worker); t.start(); t.join()
     lin = torch.nn.Linear(64, 64).cuda()
     lin(torch.randn(8, 64, device="cuda")).sum().backward()   # cuBLAS after our calls
     print("grads", all(x.grad is not None and torch.isfinite(x.grad).all().item() for x in (q, k, v)))
-    print("worker", errors)
+    print("worker", found)
 """)
 
 
@@ -437,7 +442,9 @@ def test_script_with_autograd_and_threads_exits_cleanly(tmp_path: Any) -> None:
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "grads True" in proc.stdout, proc.stdout + proc.stderr
-    worker = proc.stdout.split("worker", 1)[1]
-    assert worker.strip() == "[0]", f"the worker thread was left with a context: {worker}"
+    # torch's runtime binds the primary context to a thread it runs on (depth 1);
+    # a context this library pushed and left would stack on it.
+    worker = proc.stdout.split("worker", 1)[1].strip()
+    assert worker in ("[0]", "[1]"), f"the worker thread was left with contexts stacked: {worker}"
     for text in ("context", "Context", "PyCUDA ERROR", "Warning"):
         assert text not in proc.stderr, proc.stderr
