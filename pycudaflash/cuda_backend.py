@@ -150,7 +150,7 @@ class _Kernel:
         if len(fmt) != len(args):
             raise ValueError(f"{name}: {len(args)} arguments for a format of {len(fmt)}")
         n = len(args)
-        self.name, self.fn, self.grid, self.block, self.smem = name, fn, grid, (threads, 1, 1), smem
+        self.name, self.fn, self.grid, self.block, self.smem = name, int(fn), grid, (threads, 1, 1), smem
         self.slots = (ctypes.c_uint64 * n)()
         base = ctypes.addressof(self.slots)
         self.addrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
@@ -583,7 +583,7 @@ def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl
         return
     torch = _torch_current(like, stream)
     if torch is not None:
-        buf = torch.empty(plan.ws_bytes, dtype=torch.uint8, device=like.device)
+        buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)
         vals[plan.WS] = buf.data_ptr()
         _put_key_lengths(plan, vals, kl_host, stream)
         plan.launch(vals, ctx, stream)

@@ -94,36 +94,56 @@ def flash_attention(
     lse : Tensor, shape (B, H, Nq)
         Only with ``return_lse=True``.
     """
-    causal_mode = normalize_causal(causal)
-    left, right = normalize_window(window)
+    try:
+        opts = _options_memo[(causal, window, scale, q.shape[-1])]
+    except (KeyError, TypeError, AttributeError, IndexError):
+        opts = _options(q, causal, window, scale)
+    if deterministic is not True and deterministic is not False:
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    kl = None if key_lengths is None else _key_lengths_tensor(key_lengths)
+    if torch.compiler.is_compiling() or not _plain(q, k, v, mask, kl):
+        out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, *opts, deterministic)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic)
+    else:
+        out, lse = _forward_impl(q, k, v, mask, kl, opts)
+    return (out, lse) if return_lse else out
+
+
+# (causal, window, scale, head dim) -> normalised options (causal mode, left, right, scale)
+_options_memo: Dict[Any, Tuple[str, int, int, float]] = {}
+
+
+def _options(q: Any, causal: Any, window: Any, scale: Any) -> Tuple[str, int, int, float]:
+    """The normalised options of a call (remembered when its arguments are hashable)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q must have 4 dimensions (B, H, Nq, D), got shape {tuple(q.shape)}")
-    scale_value = normalize_scale(scale, q.shape[-1])
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    kl = _key_lengths_tensor(key_lengths, q)
-    opts = (causal_mode, left, right, scale_value)
-    if not torch.compiler.is_compiling() and _plain(q, k, v, mask, kl):
-        out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic)
-    else:
-        out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, causal_mode, left, right, scale_value,
-                                                   deterministic)
-    return (out, lse) if return_lse else out
+    causal_mode = normalize_causal(causal)
+    left, right = normalize_window(window)
+    opts = (causal_mode, left, right, normalize_scale(scale, q.shape[-1]))
+    try:
+        if len(_options_memo) < 4096:
+            _options_memo[(causal, window, scale, q.shape[-1])] = opts
+    except TypeError:  # (a window given as a list)
+        pass
+    return opts
 
 
 def _last_dim_contiguous(t: Any) -> Any:
-    if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        return t.contiguous()
+    """``t``, copied where its last dimension is strided (the kernels read rows of D elements)."""
+    try:
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            return t.contiguous()
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        pass  # (not a tensor, or no dimensions: validation words the error)
     return t
 
 
-def _key_lengths_tensor(key_lengths: Any, q: Tensor) -> Optional[Tensor]:
+def _key_lengths_tensor(key_lengths: Any) -> Optional[Tensor]:
     """Key lengths as an int32 tensor: CPU values as given (checked later), CUDA ones as int32."""
-    if key_lengths is None:
-        return None
     if isinstance(key_lengths, (list, tuple)):
         key_lengths = torch.tensor(key_lengths)
     if not isinstance(key_lengths, torch.Tensor):
@@ -135,10 +155,13 @@ def _key_lengths_tensor(key_lengths: Any, q: Tensor) -> Optional[Tensor]:
     return key_lengths
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))
+
+
 def _plain(*tensors: Any) -> bool:
-    """Plain tensors (no subclass such as fake tensors) on CUDA or the CPU."""
+    """Plain tensors (no subclass such as fake tensors), or None."""
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter):
+        if type(t) not in _PLAIN:
             return False
     return True
 
@@ -198,7 +221,7 @@ def _cuda_key(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl
     low = 0 if mask is None else mask.data_ptr() & 15
     for t in tensors:
         low |= t.data_ptr() & 15
-    return (kind, tensors[0].device.index, tuple(_meta(t) for t in tensors), _meta(mask), _kl_key(kl), opts,
+    return (kind, tensors[0].get_device(), tuple(_meta(t) for t in tensors), _meta(mask), _kl_key(kl), opts,
             low == 0, tuple(os.environ.get(name) for name in compiler.TUNING_ENV))
 
 
@@ -223,7 +246,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
     """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse`` contiguous."""
     causal, left, right, scale = opts
     out = empty_like_layout(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if not q.is_cuda:
         from .api import flash_attn_forward
 
