@@ -310,6 +310,11 @@ def is_capturing(stream: int) -> bool:
     return int(status) != int(driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
 
+#: Streams being captured by :class:`capture` (their calls take no memory from torch's allocator,
+#: which knows nothing of that capture).
+capturing: set = set()
+
+
 class Graph:
     """A CUDA graph captured from a stream, instantiated for replay.
 
@@ -382,9 +387,11 @@ class capture:
         except BaseException:
             leave(self._pushed)
             raise
+        capturing.add(self.handle)
         return self.graph
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        capturing.discard(self.handle)
         try:
             graph = check("cuStreamEndCapture", self.handle)
             if exc_type is None:

@@ -17,7 +17,9 @@ numpy arrays.  A repeated call on device arrays with the same signature
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from . import _calls, _driver, _validate, cpu
 from ._arrays import is_torch_cpu, torch_cpu_call
@@ -225,3 +227,100 @@ def flash_attn_backward(
 def _backward_positional(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
                          lse: ArrayLike, **kwargs: Any) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     return flash_attn_backward(dout, q, k, v, out, lse, **kwargs)
+
+
+class PreparedCall:
+    """One validated, planned call on device arrays, to launch again and again.
+
+    Made by :func:`prepare_forward` or :func:`prepare_backward`.  Calling it
+    launches the kernels on the arrays it was prepared with (their contents
+    may change between calls; their memory must stay allocated), with no
+    validation, planning or allocation: the cheapest launch this library
+    has, for research loops over fixed shapes and for graph capture
+    (:class:`pycudaflash.capture`).
+
+    Attributes
+    ----------
+    outputs : tuple
+        The output arrays every call writes: ``(out, lse)`` or
+        ``(dq, dk, dv)``, the buffers given or ones allocated once.
+    """
+
+    def __init__(self, kind: str, plan: Any, device: int, ptrs: Sequence[int], objs: List[Any],
+                 kl_host: Any, outputs: Tuple[int, ...]) -> None:
+        from . import cuda_backend
+
+        ctx, pushed = _driver.enter(cuda_backend._device_hint(objs[0]))
+        try:
+            like, stream = objs[0], cuda_backend.stream_for(None, objs[0])
+            dtypes = [plan.dtype] * len(outputs)
+            if kind == "fwd":
+                dtypes[1] = _validate.LSE_DTYPE
+            for j, (i, dt) in enumerate(zip(outputs, dtypes)):  # outputs not given: allocated once
+                if objs[i] is None:
+                    objs[i] = cuda_backend.empty_like_input(like, plan.shapes[j], dt, device, stream)
+                    ptrs[i] = cuda_backend._ptr(objs[i])
+            # Key lengths copied to the device once, so that a call can be captured into a graph.
+            self._kl = (None if kl_host is None
+                        else cuda_backend.device_copy_like(like, np.ascontiguousarray(kl_host), device))
+        finally:
+            _driver.leave(pushed)
+        self._kind, self._plan, self._device = kind, plan, device
+        self._ptrs, self._objs = tuple(ptrs), tuple(objs)
+        self._kl_ptr = 0 if self._kl is None else cuda_backend._ptr(self._kl)
+        self.outputs: Tuple[Any, ...] = tuple(objs[i] for i in outputs)
+
+    def __call__(self, stream: Any = None) -> Tuple[ArrayLike, ...]:
+        """Launch on ``stream`` (see :func:`flash_attn_forward`); return :attr:`outputs`."""
+        from . import cuda_backend
+
+        ctx, pushed = _driver.enter(cuda_backend._device_hint(self._objs[0]))
+        try:
+            handle = cuda_backend.stream_for(stream, self._objs[0])
+            launch = cuda_backend.launch_forward if self._kind == "fwd" else cuda_backend.launch_backward
+            return launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs, device_kl=self._kl_ptr)
+        finally:
+            _driver.leave(pushed)
+
+
+def prepare_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, out: Optional[ArrayLike] = None,
+                    lse: Optional[ArrayLike] = None, **options: Any) -> PreparedCall:
+    """Validate and plan a forward call on device arrays once; return it as a :class:`PreparedCall`.
+
+    Parameters
+    ----------
+    q, k, v, out, lse
+        Device arrays as in :func:`flash_attn_forward`; outputs not given
+        are allocated here, once.
+    **options
+        ``causal``, ``window``, ``mask``, ``key_lengths``, ``scale`` and
+        ``dtype`` as in :func:`flash_attn_forward`.
+    """
+    prob = _validate.validate_forward(q, k, v, out=out, lse=lse, **options)
+    if not prob.on_device:
+        raise TypeError("prepare_forward needs device arrays; numpy arrays run through flash_attn_forward")
+    from . import cuda_backend
+
+    plan, _, device = cuda_backend.plan_forward(prob)
+    ops = (prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask)
+    return PreparedCall("fwd", plan, device, [op.ptr if op is not None else 0 for op in ops],
+                        [op.obj if op is not None else None for op in ops], prob.key_lengths, (3, 4))
+
+
+def prepare_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,
+                     *, dq: Optional[ArrayLike] = None, dk: Optional[ArrayLike] = None,
+                     dv: Optional[ArrayLike] = None, **options: Any) -> PreparedCall:
+    """Validate and plan a backward call on device arrays once (see :func:`prepare_forward`).
+
+    ``**options``: ``causal``, ``window``, ``mask``, ``key_lengths``,
+    ``scale``, ``deterministic`` and ``dtype`` as in :func:`flash_attn_backward`.
+    """
+    prob = _validate.validate_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
+    if not prob.on_device:
+        raise TypeError("prepare_backward needs device arrays; numpy arrays run through flash_attn_backward")
+    from . import cuda_backend
+
+    plan, _, device = cuda_backend.plan_backward(prob)
+    ops = [getattr(prob, n) for n in cuda_backend.BWD_OPERANDS]
+    return PreparedCall("bwd", plan, device, [op.ptr if op is not None else 0 for op in ops],
+                        [op.obj if op is not None else None for op in ops], prob.key_lengths, (6, 7, 8))

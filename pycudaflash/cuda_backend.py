@@ -562,12 +562,12 @@ class BackwardPlan(_Plan):
 
 
 def _torch_current(obj: Any, stream: int) -> Any:
-    """torch, when ``obj`` is a torch tensor and ``stream`` is torch's current stream of its device."""
+    """torch, when ``obj`` is a torch tensor and ``stream`` is torch's current stream of its device
+    (and not captured by :class:`pycudaflash.capture`, which torch's allocator does not know of)."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        if torch._C._cuda_getCurrentRawStream(obj.device.index) == stream:
-            return torch
-    return None
+    if torch is None or not isinstance(obj, torch.Tensor) or (_driver.capturing and stream in _driver.capturing):
+        return None
+    return torch if torch._C._cuda_getCurrentRawStream(obj.device.index) == stream else None
 
 
 def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl_host: Optional[np.ndarray],
@@ -619,6 +619,17 @@ def empty_like_input(like: Any, shape: Tuple[int, ...], dtype: np.dtype, device:
         with cupy.cuda.Device(device):
             return cupy.empty(shape, dtype=dtype)
     return _pycuda_empty(shape, dtype, device)
+
+
+def device_copy_like(like: Any, host: np.ndarray, device: int) -> Any:
+    """A device copy of a small host array, of ``like``'s kind (it owns its memory)."""
+    out = empty_like_input(like, host.shape, host.dtype, device, 0)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        out.copy_(torch.from_numpy(host))
+    else:
+        _driver.check("cuMemcpyHtoD", _ptr(out), host.ctypes.data, host.nbytes)
+    return out
 
 
 def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:

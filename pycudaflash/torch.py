@@ -173,10 +173,6 @@ _plans: Dict[Any, Tuple[Any, int, int]] = {}
 MAX_PLANS = 1024
 
 
-def _meta(t: Optional[Tensor]) -> Any:
-    return None if t is None else (t.shape, t.stride(), t.dtype)
-
-
 def _kl_key(kl: Optional[Tensor]) -> Any:
     """Key lengths in a signature: the CUDA tensor's layout, or ``'host'`` (values checked every call)."""
     if kl is None:
@@ -215,14 +211,23 @@ def _cuda_key(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl
     """The signature of a call on CUDA tensors.
 
     ``tensors`` are the inputs whose layout the caller chose; the outputs
-    (``torch.empty_like`` of them) and the saved ``out`` and ``lse`` follow
-    from those.  Every pointer's alignment to 16 bytes is part of it.
+    (:func:`empty_like_layout` of them) and the saved ``out`` and ``lse``
+    follow from those.  Whether every pointer is 16-byte aligned is part of it.
     """
-    low = 0 if mask is None else mask.data_ptr() & 15
+    key = [kind, tensors[0].get_device(), opts, _kl_key(kl), os.environ.get(_HOPPER_ENV),
+           os.environ.get(_TILES_ENV)]
+    low = 0
     for t in tensors:
-        low |= t.data_ptr() & 15
-    return (kind, tensors[0].get_device(), tuple(_meta(t) for t in tensors), _meta(mask), _kl_key(kl), opts,
-            low == 0, tuple(os.environ.get(name) for name in compiler.TUNING_ENV))
+        key += (t.shape, t.stride(), t.dtype)
+        low |= t.data_ptr()
+    if mask is not None:
+        key += (mask.shape, mask.stride(), mask.dtype)
+        low |= mask.data_ptr()
+    key.append(low & 15 == 0)
+    return tuple(key)
+
+
+_HOPPER_ENV, _TILES_ENV = compiler.TUNING_ENV
 
 
 def _host_key_lengths(kl: Optional[Tensor]) -> Any:

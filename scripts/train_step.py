@@ -30,9 +30,12 @@ Method
   initial weights with a fresh AdamW on the same batch (random tokens from a
   fixed generator; targets are the inputs shifted by one).  A step is the
   forward pass, the cross-entropy loss, ``backward()``, ``optimizer.step()``
-  and ``zero_grad(set_to_none=True)``.  ``--warmup`` untimed steps, then
-  ``--steps`` steps each timed with CUDA events (``time.perf_counter`` on the
-  CPU); median and mean ms per step are reported.
+  and ``zero_grad(set_to_none=True)``.  Timing runs in ``--rounds`` rounds
+  of every implementation in turn (the step is host-bound at these sizes,
+  and the host's speed drifts by 10-20 % within a minute on the H200
+  machine): each round ``--warmup`` untimed steps, then ``--steps`` steps
+  each timed with CUDA events (``time.perf_counter`` on the CPU); the median
+  and mean ms per step over all rounds are reported.
 * First-step loss: the loss of each implementation's first step, computed on
   its fresh copy before any update, so every implementation sees identical
   weights and data; ``|dloss|`` is its distance from sdpa-flash's.
@@ -141,8 +144,9 @@ def parse_args() -> argparse.Namespace:
                    "8x1024,2x4096,32x256 (CUDA) / 2x64 (CPU)")
     p.add_argument("--impls", default=None, help="comma separated subset of " + ",".join(IMPLS)
                    + "; default sdpa-flash,sdpa-cudnn,pycudaflash (CUDA) / sdpa-flash,sdpa-math,pycudaflash (CPU)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per implementation")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation and round")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation and round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of every implementation in turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     a = p.parse_args()
@@ -156,8 +160,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--device cuda but torch sees no GPU")
     if a.width % a.heads:
         p.error("--width must be a multiple of --heads")
-    if a.steps < 1 or a.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if a.steps < 1 or a.warmup < 0 or a.rounds < 1:
+        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     try:
         a.shapes = [tuple(int(n) for n in s.lower().split("x")) for s in a.shapes.split(",")]
         assert all(len(s) == 2 and min(s) >= 1 for s in a.shapes)
@@ -170,8 +174,8 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def run_impl(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor, a: argparse.Namespace) -> Dict[str, Any]:
-    """Train a copy of ``base`` with one implementation; return its timings and first-step loss."""
+def make_step(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A training step of a fresh copy of ``base`` with one implementation's attention."""
     attn, kernel_ctx = IMPLS[name]
     cuda = idx.is_cuda
     model = copy.deepcopy(base)
@@ -187,27 +191,52 @@ def run_impl(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor, a: argp
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    first = step()  # on the fresh copy: the loss before any update
-    for _ in range(a.warmup - 1):
+    return step
+
+
+def time_steps(step: Callable[[], torch.Tensor], a: argparse.Namespace, cuda: bool) -> List[float]:
+    """``a.warmup`` untimed steps, then the ms of each of ``a.steps`` steps."""
+    for _ in range(a.warmup):
         step()
-    times: List[float] = []
-    if cuda:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(a.steps)]
-        torch.cuda.synchronize()
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
+    if not cuda:
+        times = []
         for _ in range(a.steps):
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "mean_ms": statistics.fmean(times),
-            "first_loss": first.item(), "times_ms": times, "steps_run": max(a.warmup, 1) + a.steps}
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.steps)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def run_shape(base: GPT, idx: torch.Tensor, tgt: torch.Tensor, a: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Every implementation on one shape, timed in ``a.rounds`` interleaved rounds."""
+    cuda = idx.is_cuda
+    steps: Dict[str, Callable[[], torch.Tensor]] = {}
+    rows: Dict[str, Dict[str, Any]] = {}
+    for name in a.impls:
+        rows[name] = {"impl": name, "times_ms": []}
+        try:
+            steps[name] = make_step(base, name, idx, tgt)
+            rows[name]["first_loss"] = steps[name]().item()  # the loss of the fresh copy, before any update
+        except Exception as e:  # reported, not fatal
+            text = str(e).strip().replace("|", "/")
+            rows[name]["error"] = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+            steps.pop(name, None)
+    # Rounds: every implementation in turn, so that a change of clock or host load falls on all alike.
+    for _ in range(a.rounds):
+        for name, step in steps.items():
+            rows[name]["times_ms"] += time_steps(step, a, cuda)
+    for name in steps:
+        t = rows[name]["times_ms"]
+        rows[name].update(median_ms=statistics.median(t), mean_ms=statistics.fmean(t))
+    return list(rows.values())
 
 
 def _fmt(x: Optional[float], spec: str) -> str:
@@ -220,7 +249,8 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
           f"{torch.__version__}; GPT {a.layers} layers, width {a.width}, {a.heads} heads (D "
           f"{a.width // a.heads}), vocab {a.vocab}, tied embeddings, "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}; warmup {a.warmup}, steps {a.steps}")
+          f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}; {a.rounds} rounds of "
+          f"{a.warmup} + {a.steps} steps")
     results: List[Dict[str, Any]] = []
     for B, N in a.shapes:
         torch.manual_seed(a.seed)
@@ -228,18 +258,12 @@ def main() -> None:
         gen = torch.Generator().manual_seed(a.seed + 1)
         tokens = torch.randint(a.vocab, (B, N + 1), generator=gen).to(device)
         idx, tgt = tokens[:, :-1], tokens[:, 1:]
-        rows: List[Dict[str, Any]] = []
-        for name in a.impls:
-            row: Dict[str, Any] = {"shape": f"{B}x{N}", "batch": B, "tokens": N, "impl": name}
-            try:
-                row.update(run_impl(base, name, idx, tgt, a))
-            except Exception as e:  # reported, not fatal
-                text = str(e).strip().replace("|", "/")
-                row["error"] = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            rows.append(row)
+        rows = run_shape(base, idx, tgt, a)
+        for r in rows:
+            r.update(shape=f"{B}x{N}", batch=B, tokens=N)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         flash = next((r for r in rows if r["impl"] == "sdpa-flash" and "error" not in r), None)
         for r in rows:
             ok = "error" not in r and flash is not None
