@@ -396,7 +396,7 @@ class capture:
             graph = check("cuStreamEndCapture", self.handle)
             if exc_type is None:
                 self.graph.graph = graph
-                self.graph.exec = check("cuGraphInstantiateWithFlags", graph, 0)
+                self.graph.exec = check("cuGraphInstantiate", graph, 0)
             elif graph is not None and int(graph) != 0:
                 check("cuGraphDestroy", graph)
         finally:

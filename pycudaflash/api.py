@@ -237,7 +237,8 @@ class PreparedCall:
     may change between calls; their memory must stay allocated), with no
     validation, planning or allocation: the cheapest launch this library
     has, for research loops over fixed shapes and for graph capture
-    (:class:`pycudaflash.capture`).
+    (:class:`pycudaflash.capture`).  It owns its workspace: run one prepared
+    call on one stream at a time.
 
     Attributes
     ----------
@@ -260,14 +261,18 @@ class PreparedCall:
                 if objs[i] is None:
                     objs[i] = cuda_backend.empty_like_input(like, plan.shapes[j], dt, device, stream)
                     ptrs[i] = cuda_backend._ptr(objs[i])
-            # Key lengths copied to the device once, so that a call can be captured into a graph.
+            # Key lengths copied to the device once, and a workspace of its own, so that a call
+            # allocates nothing and can be captured into a graph.
             self._kl = (None if kl_host is None
                         else cuda_backend.device_copy_like(like, np.ascontiguousarray(kl_host), device))
+            self._ws = (None if plan.ws_bytes == 0
+                        else cuda_backend.empty_like_input(like, (plan.ws_bytes,), np.dtype(np.uint8), device, stream))
         finally:
             _driver.leave(pushed)
         self._kind, self._plan, self._device = kind, plan, device
         self._ptrs, self._objs = tuple(ptrs), tuple(objs)
         self._kl_ptr = 0 if self._kl is None else cuda_backend._ptr(self._kl)
+        self._ws_ptr = 0 if self._ws is None else cuda_backend._ptr(self._ws)
         self.outputs: Tuple[Any, ...] = tuple(objs[i] for i in outputs)
 
     def __call__(self, stream: Any = None) -> Tuple[ArrayLike, ...]:
@@ -278,7 +283,8 @@ class PreparedCall:
         try:
             handle = cuda_backend.stream_for(stream, self._objs[0])
             launch = cuda_backend.launch_forward if self._kind == "fwd" else cuda_backend.launch_backward
-            return launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs, device_kl=self._kl_ptr)
+            return launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs, device_kl=self._kl_ptr,
+                          workspace=self._ws_ptr)
         finally:
             _driver.leave(pushed)
 

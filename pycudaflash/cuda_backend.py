@@ -571,14 +571,17 @@ def _torch_current(obj: Any, stream: int) -> Any:
 
 
 def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl_host: Optional[np.ndarray],
-            like: Any) -> None:
+            like: Any, workspace: int = 0) -> None:
     """Run ``plan`` with ``vals`` on ``stream``: a workspace for the call, the key lengths, the launches.
 
     ``like`` is the first input: the workspace comes from torch's caching
     allocator when it is a torch tensor on torch's current stream (graph
-    capture safe), else from this library's stream-ordered pool.
+    capture safe), else from this library's stream-ordered pool, unless the
+    caller owns one (``workspace``, at least ``plan.ws_bytes``).
     """
-    if plan.ws_bytes == 0:
+    if plan.ws_bytes == 0 or workspace:
+        vals[plan.WS] = workspace
+        _put_key_lengths(plan, vals, kl_host, stream)
         plan.launch(vals, ctx, stream)
         return
     torch = _torch_current(like, stream)
@@ -717,13 +720,15 @@ def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any,
 
 
 def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                   objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None):
+                   objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None,
+                   workspace: int = 0):
     """Allocate missing outputs and launch ``plan``; return ``(out, lse)``.
 
     ``ptrs`` and ``objs``: pointers and objects of q, k, v, out, lse, mask
     (None and 0 where absent).  Key lengths, where the plan has them:
     ``device_kl``, a device int32 array read in place, or ``kl_host``,
-    validated host int32 values copied into the workspace.
+    validated host int32 values copied into the workspace.  ``workspace``:
+    device memory of the caller's for the plan's workspace (0: one per call).
     """
     like = objs[0]
     out, lse = objs[3], objs[4]
@@ -742,7 +747,8 @@ def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: 
         vals[plan.L] = _ptr(lse)
     else:
         vals[plan.L] = ptrs[4]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like)
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like,
+            workspace)
     return out, lse
 
 
@@ -783,11 +789,12 @@ BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
 
 
 def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                    objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None):
+                    objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None,
+                    workspace: int = 0):
     """Allocate missing gradients and launch ``plan``; return ``(dq, dk, dv)``.
 
-    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl`` and
-    ``kl_host`` as in :func:`launch_forward`.
+    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl``,
+    ``kl_host`` and ``workspace`` as in :func:`launch_forward`.
     """
     like = objs[0]
     vals = [0] * plan.N_VALS
@@ -802,7 +809,8 @@ def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs
             vals[slot] = _ptr(grads[i])
         else:
             vals[slot] = ptrs[6 + i]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like)
+    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like,
+            workspace)
     return tuple(grads)
 
 

@@ -201,7 +201,7 @@ def empty_like_layout(t: Tensor) -> Tensor:
     (B, N, H, D) storage viewed as (B, H, N, D), the layout of q, k, v sliced from one
     projection, so that ``out.transpose(1, 2).reshape(B, N, H * D)`` needs no copy."""
     if t.is_contiguous():
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
+        return torch.empty_like(t)  # (preserves the contiguous layout)
     B, H, N, D = t.shape
     return t.new_empty((B, N, H, D)).transpose(1, 2)
 
