@@ -15,7 +15,7 @@ def cuda_status() -> Tuple[bool, str]:
     """``(usable, reason)``: whether PyCUDA (which compiles the kernels) and NVIDIA's
     cuda-bindings (which launch them) import, and the driver sees a CUDA device."""
     try:
-        import pycuda.compiler  # noqa: F401
+        import pycuda.compiler  # noqa: F401  (imported only to see that it imports)
     except Exception as exc:  # ImportError, or a missing libcuda
         return False, f"PyCUDA is not importable ({type(exc).__name__}: {exc})"
     try:

@@ -401,8 +401,3 @@ class capture:
                 check("cuGraphDestroy", graph)
         finally:
             leave(self._pushed)
-
-
-def address_of(obj: Any) -> int:
-    """Address of a ctypes object (for host buffers handed to driver calls)."""
-    return ctypes.addressof(obj)

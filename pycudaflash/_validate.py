@@ -3,9 +3,10 @@
 :func:`validate_forward` and :func:`validate_backward` turn the caller's
 arguments into a :class:`~pycudaflash._problem.Problem`, raising ``TypeError``
 (wrong kind of object or dtype) or ``ValueError`` (wrong shape, layout or
-value) before any work starts.  Validation reads only array metadata; the one
-exception is a ``key_lengths`` array that lives on the device, which is copied
-to the host (:func:`_device_to_host`).
+value) before any work starts.  Validation reads only array metadata and
+addresses (an output buffer that overlaps an input or another output is
+refused); the one exception is a ``key_lengths`` array that lives on the
+device, which is copied to the host (:func:`_device_to_host`).
 """
 
 from __future__ import annotations

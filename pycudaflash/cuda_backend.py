@@ -287,9 +287,6 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     return var
 
 
-_sm_counts: Dict[int, int] = {}
-
-
 def _sm_count() -> int:
     """Multiprocessors of the current context's device."""
     dev = _driver.context_device(compiler.context_key())
@@ -752,6 +749,10 @@ def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: 
     return out, lse
 
 
+#: Operands of a backward call, in the order of launch_backward's ``ptrs`` and ``objs``.
+BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
+
+
 def plan_backward(prob: Problem) -> Tuple[BackwardPlan, int, int]:
     """``(plan, context, device)`` of a validated device problem (compiles on first use)."""
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
@@ -782,10 +783,6 @@ def run_backward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any
                                kl_host=prob.key_lengths)
     finally:
         _driver.leave(pushed)
-
-
-#: Operands of a backward call, in the order of launch_backward's ``ptrs`` and ``objs``.
-BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
 
 
 def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
