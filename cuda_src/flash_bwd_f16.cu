@@ -177,8 +177,10 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-    const int k0 = blockIdx.x * BWD_BC;
+    // Grid (H, B, key tiles): key tile slowest, so all heads' first (under a
+    // causal band, longest) key tiles are scheduled before any later one.
+    const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
+    const int k0 = blockIdx.z * BWD_BC;
 
     MaskParams mp;
     mp.mask = mask;

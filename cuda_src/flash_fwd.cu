@@ -195,7 +195,7 @@ flash_fwd_kernel(const float *__restrict__ Q, const float *__restrict__ K, const
                 if (d < D) orow[d] = o_acc[n][2 * r] * inv_l;
                 if (d + 1 < D) orow[d + 1] = o_acc[n][2 * r + 1] * inv_l;
             }
-            if (t == 0)
+            if (t == 0 && LSE)  // (LSE = nullptr: the caller needs no lse)
                 LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] =
                     (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
         }

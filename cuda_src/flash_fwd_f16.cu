@@ -270,7 +270,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                 for (int n = 0; n < O_TILES; ++n)
                     store_pair(orow, 8 * n + 2 * t, D, o_acc[mt][n][2 * r] * inv_l, o_acc[mt][n][2 * r + 1] * inv_l,
                                vec);
-                if (t == 0)
+                if (t == 0 && LSE)  // (LSE = nullptr: the caller needs no lse)
                     LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] =
                         (l > 0.f) ? m_i[mt][r] * LN2 + logf(l) : NEG_INF;
             }

@@ -410,7 +410,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
                     store_pair(orow, 8 * n + 2 * t, D, o_acc[4 * n + 2 * r] * inv_l,
                                o_acc[4 * n + 2 * r + 1] * inv_l, vec);
-                if (t == 0)
+                if (t == 0 && LSE)  // (LSE = nullptr: the caller needs no lse)
                     LSE[(i64)jb.b * l_sb + (i64)jb.h * l_sh + (i64)i * l_sn] =
                         (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
             }

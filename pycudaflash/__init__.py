@@ -2,6 +2,7 @@
 
 from ._backends import available_backends, cuda_status
 from ._driver import CudaError, Graph, capture
+from ._calls import clear as clear_plans
 from .api import PreparedCall, flash_attn_backward, flash_attn_forward, prepare_backward, prepare_forward
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __all__ = [
     "prepare_forward",
     "prepare_backward",
     "PreparedCall",
+    "clear_plans",
     "capture",
     "Graph",
     "CudaError",

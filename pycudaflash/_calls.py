@@ -15,13 +15,12 @@ its context and device, and the byte spans of its arrays.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _driver, _validate, compiler, cuda_backend
+from . import _driver, _validate, cuda_backend
 from ._arrays import byte_span
 from ._backends import cuda_status
 from ._problem import Problem
@@ -68,10 +67,6 @@ def host_key_lengths(key_lengths: Any, plan: Any) -> Optional[np.ndarray]:
     return _validate.host_key_lengths(key_lengths, plan.dims[0], plan.dims[3])
 
 
-def _env() -> Tuple[Optional[str], ...]:
-    return tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
-
-
 def signature(kind: str, arrays: Sequence[Any], options: Tuple[Any, ...], key_lengths: Any
               ) -> Optional[Tuple[Any, List[int], int, bool]]:
     """``(key, pointers, context, pushed)`` of a call on device arrays, or None where there is no fast path.
@@ -98,7 +93,7 @@ def signature(kind: str, arrays: Sequence[Any], options: Tuple[Any, ...], key_le
         return None
     ctx, pushed = _driver.enter(cuda_backend._device_hint(arrays[0]))
     low = tuple(p & 15 for p in ptrs)
-    key = (kind, ctx, tuple(metas), low, options, klk, _env())
+    key = (kind, ctx, tuple(metas), low, options, klk)
     try:
         hash(key)
     except TypeError:
@@ -118,14 +113,22 @@ def keeper(key: Any, prob: Problem, names: Sequence[str]):
     )
 
     def keep(plan: Any, ctx: int, device: int) -> None:
-        if len(_plans) >= MAX_PLANS:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = (plan, ctx, device, spans)
+        remember(key, (plan, ctx, device), spans)
 
     return keep
 
 
-def lookup(key: Any) -> Optional[Tuple[Any, int, int, Tuple[int, ...]]]:
+def remember(key: Any, entry: Tuple[Any, int, int], spans: Optional[Tuple[int, ...]] = None
+             ) -> Tuple[Any, int, int, Optional[Tuple[int, ...]]]:
+    """File ``(plan, context, device)`` under ``key`` (with its arrays' byte spans, where the fast
+    path checks outputs for overlap); the oldest entry goes beyond :data:`MAX_PLANS`."""
+    if len(_plans) >= MAX_PLANS:
+        _plans.pop(next(iter(_plans)))
+    hit = _plans[key] = (*entry, spans)
+    return hit
+
+
+def lookup(key: Any) -> Optional[Tuple[Any, int, int, Optional[Tuple[int, ...]]]]:
     return _plans.get(key)
 
 
@@ -147,5 +150,10 @@ def outputs_disjoint(ptrs: Sequence[int], spans: Sequence[int], outputs: Sequenc
 
 
 def clear() -> None:
-    """Forget every cached plan."""
+    """Forget every cached plan (of the plain API and of :mod:`pycudaflash.torch`).
+
+    The tuning variables (``$PYCUDAFLASH_TILES``, ``$PYCUDAFLASH_WGMMA``) are
+    read when a signature is planned: after changing them in a running
+    process, call this so that repeated signatures are planned again.
+    """
     _plans.clear()

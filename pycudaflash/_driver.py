@@ -98,8 +98,19 @@ _ctx_devices: Dict[int, int] = {}  # context handle -> device ordinal
 
 
 def current_context() -> int:
-    """Handle of the calling thread's current context (0: none)."""
-    return int(check("cuCtxGetCurrent"))
+    """Handle of the calling thread's current context (0: none).
+
+    Called on every launch, so it goes to libcuda through ``ctypes`` (as
+    :func:`launch` does): half the host time of the cuda-bindings call.
+    """
+    code = _libcuda("cuCtxGetCurrent")(_current_out_ref)
+    if code:
+        _check_result("cuCtxGetCurrent", (driver().CUresult(code),))
+    return _current_out.value or 0
+
+
+_current_out = ctypes.c_void_p()
+_current_out_ref = ctypes.byref(_current_out)
 
 
 def context_device(ctx: int) -> int:
@@ -214,26 +225,31 @@ def launch(fn: int, grid: Tuple[int, int, int], block: Tuple[int, int, int], sme
     spent about 6 us of Python argument handling per launch, the ctypes call
     about 1 us.  Every other entry point goes through cuda-bindings.
     """
-    code = _launcher()(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, None)
+    code = _libcuda("cuLaunchKernel")(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, None)
     if code:
         _check_result("cuLaunchKernel", (driver().CUresult(code),))
 
 
-_launch_fn: Any = None
+_u = ctypes.c_uint
+#: ctypes signatures of the entry points the hot path calls in libcuda directly.
+_LIBCUDA_ARGTYPES = {
+    "cuLaunchKernel": [ctypes.c_void_p, _u, _u, _u, _u, _u, _u, _u, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p],
+    "cuCtxGetCurrent": [ctypes.c_void_p],
+}
+_libcuda_fns: Dict[str, Any] = {}
 
 
-def _launcher() -> Any:
-    """``cuLaunchKernel`` of the process's libcuda (the one cuda-bindings loaded), typed for ctypes."""
-    global _launch_fn
-    if _launch_fn is None:
+def _libcuda(name: str) -> Any:
+    """Entry point ``name`` of the process's libcuda (the one cuda-bindings loaded), typed for ctypes."""
+    fn = _libcuda_fns.get(name)
+    if fn is None:
         driver()
-        lib = ctypes.CDLL(_libcuda_name())
-        fn = lib.cuLaunchKernel
-        u = ctypes.c_uint
-        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn = getattr(ctypes.CDLL(_libcuda_name()), name)
+        fn.argtypes = _LIBCUDA_ARGTYPES[name]
         fn.restype = ctypes.c_int
-        _launch_fn = fn
-    return _launch_fn
+        _libcuda_fns[name] = fn
+    return fn
 
 
 def _libcuda_name() -> str:

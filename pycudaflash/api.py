@@ -17,7 +17,7 @@ numpy arrays.  A repeated call on device arrays with the same signature
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -105,33 +105,10 @@ def flash_attn_forward(
             dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale, stream=stream,
                  backend=backend or "numpy", dtype=dtype),
         )
-    options = (causal, window, scale, backend, dtype)
-    sig = None if backend == "numpy" else _calls.signature("fwd", (q, k, v, out, lse, mask), options, key_lengths)
-    if sig is not None:
-        key, ptrs, ctx, pushed = sig
-        try:
-            hit = _calls.lookup(key)
-            if hit is not None and (out is None and lse is None
-                                    or _calls.outputs_disjoint(ptrs, hit[3], (3, 4))):
-                from . import cuda_backend
-
-                plan, _, device, _ = hit
-                handle = cuda_backend.stream_for(stream, q)
-                return cuda_backend.launch_forward(plan, ctx, device, handle, ptrs, (q, k, v, out, lse, mask),
-                                                   kl_host=_calls.host_key_lengths(key_lengths, plan))
-        finally:
-            _driver.leave(pushed)
-    prob = _validate.validate_forward(
-        q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-        scale=scale, out=out, lse=lse, dtype=dtype,
-    )
-    which = choose_backend(prob, backend, stream)
-    if which == "numpy":
-        return cpu.run_forward(prob)
-    from . import cuda_backend
-
-    keep = _calls.keeper(sig[0], prob, ("q", "k", "v", "out", "lse", "mask")) if sig is not None else None
-    return cuda_backend.run_forward(prob, stream, keep)
+    return _run("fwd", (q, k, v, out, lse, mask), (causal, window, scale, backend, dtype), key_lengths, stream,
+                backend, lambda: _validate.validate_forward(
+                    q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
+                    scale=scale, out=out, lse=lse, dtype=dtype))
 
 
 def flash_attn_backward(
@@ -192,36 +169,44 @@ def flash_attn_backward(
             dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale,
                  deterministic=deterministic, stream=stream, backend=backend or "numpy", dtype=dtype),
         )
-    options = (causal, window, scale, deterministic, backend, dtype)
-    arrays = (q, k, v, out, dout, lse, dq, dk, dv, mask)  # (the backend's BWD_OPERANDS order)
-    sig = None if backend == "numpy" else _calls.signature("bwd", arrays, options, key_lengths)
+    return _run("bwd", (q, k, v, out, dout, lse, dq, dk, dv, mask),
+                (causal, window, scale, deterministic, backend, dtype), key_lengths, stream, backend,
+                lambda: _validate.validate_backward(
+                    dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
+                    key_lengths=key_lengths, scale=scale, deterministic=deterministic,
+                    dq=dq, dk=dk, dv=dv, dtype=dtype))
+
+
+def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengths: Any, stream: Any,
+         backend: Optional[str], validate: Callable[[], Any]) -> Tuple[Any, ...]:
+    """A pass of the plain API: a repeated call of a planned signature launches at once (outputs
+    allocated or checked for overlap by address range); any other is validated, then run.
+
+    ``arrays``: the pass's operands in the order of ``cuda_backend.OPERANDS[kind]`` (None where
+    absent); ``validate()`` returns the call's Problem.
+    """
+    sig = None if backend == "numpy" else _calls.signature(kind, arrays, options, key_lengths)
     if sig is not None:
         key, ptrs, ctx, pushed = sig
         try:
             hit = _calls.lookup(key)
-            if hit is not None and (dq is None and dk is None and dv is None
-                                    or _calls.outputs_disjoint(ptrs, hit[3], (6, 7, 8))):
+            if hit is not None:
                 from . import cuda_backend
 
-                plan, _, device, _ = hit
-                handle = cuda_backend.stream_for(stream, q)
-                return cuda_backend.launch_backward(plan, ctx, device, handle, ptrs, arrays,
-                                                    kl_host=_calls.host_key_lengths(key_lengths, plan))
+                plan, _, device, spans = hit
+                if (all(arrays[i] is None for i in plan.OUTPUTS)
+                        or _calls.outputs_disjoint(ptrs, spans, plan.OUTPUTS)):
+                    return cuda_backend.launch(plan, ctx, device, cuda_backend.stream_for(stream, arrays[0]), ptrs,
+                                               arrays, kl_host=_calls.host_key_lengths(key_lengths, plan))
         finally:
             _driver.leave(pushed)
-    prob = _validate.validate_backward(
-        dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
-        key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-        dq=dq, dk=dk, dv=dv, dtype=dtype,
-    )
-    which = choose_backend(prob, backend, stream)
-    if which == "numpy":
-        return cpu.run_backward(prob)
+    prob = validate()
+    if choose_backend(prob, backend, stream) == "numpy":
+        return cpu.run_forward(prob) if kind == "fwd" else cpu.run_backward(prob)
     from . import cuda_backend
 
-    keep = (_calls.keeper(sig[0], prob, ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask"))
-            if sig is not None else None)
-    return cuda_backend.run_backward(prob, stream, keep)
+    keep = _calls.keeper(sig[0], prob, cuda_backend.OPERANDS[kind]) if sig is not None else None
+    return cuda_backend.run(prob, kind, stream, keep)
 
 
 def _backward_positional(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike,
@@ -247,19 +232,20 @@ class PreparedCall:
         ``(dq, dk, dv)``, the buffers given or ones allocated once.
     """
 
-    def __init__(self, kind: str, plan: Any, device: int, ptrs: Sequence[int], objs: List[Any],
-                 kl_host: Any, outputs: Tuple[int, ...]) -> None:
+    def __init__(self, kind: str, prob: Any) -> None:
         from . import cuda_backend
 
+        plan, _, device = cuda_backend.plan(prob, kind)
+        ops = [getattr(prob, n) for n in cuda_backend.OPERANDS[kind]]
+        ptrs = [op.ptr if op is not None else 0 for op in ops]
+        objs = [op.obj if op is not None else None for op in ops]
+        kl_host = prob.key_lengths
         ctx, pushed = _driver.enter(cuda_backend._device_hint(objs[0]))
         try:
             like, stream = objs[0], cuda_backend.stream_for(None, objs[0])
-            dtypes = [plan.dtype] * len(outputs)
-            if kind == "fwd":
-                dtypes[1] = _validate.LSE_DTYPE
-            for j, (i, dt) in enumerate(zip(outputs, dtypes)):  # outputs not given: allocated once
-                if objs[i] is None:
-                    objs[i] = cuda_backend.empty_like_input(like, plan.shapes[j], dt, device, stream)
+            for i, shape, dt in zip(plan.OUTPUTS, plan.shapes, plan.out_dtypes):  # outputs not given:
+                if objs[i] is None:                                                # allocated once
+                    objs[i] = cuda_backend.empty_like_input(like, shape, dt, device, stream)
                     ptrs[i] = cuda_backend._ptr(objs[i])
             # Key lengths copied to the device once, and a workspace of its own, so that a call
             # allocates nothing and can be captured into a graph.
@@ -273,7 +259,7 @@ class PreparedCall:
         self._ptrs, self._objs = tuple(ptrs), tuple(objs)
         self._kl_ptr = 0 if self._kl is None else cuda_backend._ptr(self._kl)
         self._ws_ptr = 0 if self._ws is None else cuda_backend._ptr(self._ws)
-        self.outputs: Tuple[Any, ...] = tuple(objs[i] for i in outputs)
+        self.outputs: Tuple[Any, ...] = tuple(objs[i] for i in plan.OUTPUTS)
 
     def __call__(self, stream: Any = None) -> Tuple[ArrayLike, ...]:
         """Launch on ``stream`` (see :func:`flash_attn_forward`); return :attr:`outputs`."""
@@ -282,9 +268,8 @@ class PreparedCall:
         ctx, pushed = _driver.enter(cuda_backend._device_hint(self._objs[0]))
         try:
             handle = cuda_backend.stream_for(stream, self._objs[0])
-            launch = cuda_backend.launch_forward if self._kind == "fwd" else cuda_backend.launch_backward
-            return launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs, device_kl=self._kl_ptr,
-                          workspace=self._ws_ptr)
+            return cuda_backend.launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs,
+                                       device_kl=self._kl_ptr, workspace=self._ws_ptr)
         finally:
             _driver.leave(pushed)
 
@@ -305,12 +290,7 @@ def prepare_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, out: Optional[A
     prob = _validate.validate_forward(q, k, v, out=out, lse=lse, **options)
     if not prob.on_device:
         raise TypeError("prepare_forward needs device arrays; numpy arrays run through flash_attn_forward")
-    from . import cuda_backend
-
-    plan, _, device = cuda_backend.plan_forward(prob)
-    ops = (prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask)
-    return PreparedCall("fwd", plan, device, [op.ptr if op is not None else 0 for op in ops],
-                        [op.obj if op is not None else None for op in ops], prob.key_lengths, (3, 4))
+    return PreparedCall("fwd", prob)
 
 
 def prepare_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike,
@@ -324,9 +304,4 @@ def prepare_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     prob = _validate.validate_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
     if not prob.on_device:
         raise TypeError("prepare_backward needs device arrays; numpy arrays run through flash_attn_backward")
-    from . import cuda_backend
-
-    plan, _, device = cuda_backend.plan_backward(prob)
-    ops = [getattr(prob, n) for n in cuda_backend.BWD_OPERANDS]
-    return PreparedCall("bwd", plan, device, [op.ptr if op is not None else 0 for op in ops],
-                        [op.obj if op is not None else None for op in ops], prob.key_lengths, (6, 7, 8))
+    return PreparedCall("bwd", prob)

@@ -207,7 +207,9 @@ def tiles(head_dim: int, dtype: str = "float32", arch: Optional[str] = None) -> 
 
     ``$PYCUDAFLASH_TILES`` overrides them for tuning experiments, e.g.
     ``"128:fwd_bc=32,bwd_br=32;h64:fwd_bc=128,fwd_mt=2"`` (an ``h`` before
-    the head dim selects the float16/bfloat16 kernels).
+    the head dim selects the float16/bfloat16 kernels).  It is read when a
+    call signature is planned: a running process that changes it calls
+    :func:`pycudaflash.clear_plans` before its next calls.
     """
     return _tiles(head_dim, dtype, _lean(arch), os.environ.get(TILES_ENV, "").strip())
 

@@ -383,11 +383,16 @@ class _Plan:
     kl_offset: int  # workspace offset of host key lengths (-1: none)
     dims: Tuple[int, int, int, int, int]  # B, H, Nq, Nk, D
     counter: bool
+    L: int  # value slot of lse
+    OUTPUTS: Tuple[int, ...]  # value slots of the outputs
+    OUTPUT_NAMES: str  # (for messages)
     shapes: Tuple[Tuple[int, ...], ...]  # shapes of the outputs
-    dtype: np.dtype  # dtype of the inputs (and of every output but lse)
+    out_dtypes: Tuple[np.dtype, ...]  # dtypes of the outputs
+    dtype: np.dtype  # dtype of the inputs
 
-    def _describe(self, prob: Problem, shapes: Tuple[Tuple[int, ...], ...]) -> None:
-        self.shapes, self.dtype = shapes, prob.dtype
+    def _describe(self, prob: Problem, kind: str) -> None:
+        self.shapes, self.dtype = _output_shapes(prob, kind), prob.dtype
+        self.out_dtypes = tuple(np.dtype(np.float32) if i == self.L else prob.dtype for i in self.OUTPUTS)
         self.dims = (prob.B, prob.H, prob.Nq, prob.Nk, prob.D)
 
     def launch(self, vals: List[int], ctx: int, stream: int) -> None:
@@ -408,6 +413,8 @@ class ForwardPlan(_Plan):
 
     Q, K, V, O, L, M, KL, WS, CNT = range(9)
     N_VALS = 9
+    OUTPUTS = (O, L)
+    OUTPUT_NAMES = "out= and lse="
 
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
         _check_grid(prob)
@@ -416,7 +423,7 @@ class ForwardPlan(_Plan):
         var = _variant(prob, "fwd")
         hopper = var.pass_ == "fwd_sm90"
         ws = _Workspace()
-        self._describe(prob, ((B, H, Nq, D), (B, H, Nq)))
+        self._describe(prob, "fwd")
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
         mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
         itemsize = np.dtype(prob.dtype).itemsize
@@ -493,6 +500,8 @@ class BackwardPlan(_Plan):
     Q, K, V, O, DO, L, DQ, DK, DV, M, KL, WS = range(12)
     CNT = -1
     N_VALS = 12
+    OUTPUTS = (DQ, DK, DV)
+    OUTPUT_NAMES = "dq=, dk= and dv="
 
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
         _check_grid(prob)
@@ -505,7 +514,7 @@ class BackwardPlan(_Plan):
         ws = _Workspace()
         off_d = ws.region(4 * rows)
         off_l2 = ws.region(4 * rows)
-        self._describe(prob, ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)))
+        self._describe(prob, "bwd")
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
         off_dq = -1 if prob.deterministic else ws.region(4 * rows * D)
         mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
@@ -529,10 +538,13 @@ class BackwardPlan(_Plan):
             _PRE_FORMAT,
             (do, _Ref(self.O), _Ref(self.L), d_ref, l2_ref, dqacc, H, Nq, D, rows, *st["dout"], *st["out"],
              *st["lse"])))
-        # 2. dK, dV (and dQ by atomics): one block per key tile.
+        # 2. dK, dV (and dQ by atomics): one block per key tile, grid (H, B, key tiles).
         keys, threads = var.backward_block()
+        if -(-Nk // keys) > MAX_GRID_YZ:
+            raise ValueError(f"Nk must be <= {MAX_GRID_YZ * keys} for this backward (key tiles of {keys}), "
+                             f"got {Nk}")
         kernels.append(_Kernel(
-            "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), ((Nk + keys - 1) // keys, H, B),
+            "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), (H, B, (Nk + keys - 1) // keys),
             threads, var.smem("flash_bwd_dkdv_kernel"), _DKDV_FORMAT,
             (q, k, v, do, d_ref, l2_ref, dqacc, _Ref(self.DK), _Ref(self.DV), mask_ref, kl,
              Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk"], *st["dv"], *mask_strides,
@@ -680,135 +692,80 @@ def stream_for(stream: Any, like: Any) -> int:
     return default_stream(like) if stream is None else stream_handle(stream)
 
 
-def plan_forward(prob: Problem) -> Tuple[ForwardPlan, int, int]:
-    """``(plan, context, device)`` of a validated device problem (compiles on first use)."""
+#: Operands of each pass, in the order of :func:`plan`'s and :func:`launch`'s ``ptrs`` and ``objs``
+#: (the order of the plans' value slots).
+OPERANDS = {
+    "fwd": ("q", "k", "v", "out", "lse", "mask"),
+    "bwd": ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask"),
+}
+_PLANS = {"fwd": lambda: ForwardPlan, "bwd": lambda: BackwardPlan}
+
+
+def plan(prob: Problem, kind: str) -> Tuple[_Plan, int, int]:
+    """``(plan, context, device)`` of pass ``kind`` of a validated device problem (compiles on first use)."""
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
         device = _driver.context_device(ctx)
         _check_device(prob, device)
-        shapes = {"out": (prob.B, prob.H, prob.Nq, prob.D), "lse": (prob.B, prob.H, prob.Nq)}
-        ptrs = [op.ptr for op in (prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask) if op is not None]
-        return (ForwardPlan(prob, _plan_strides(prob, ("q", "k", "v", "out", "lse"), shapes), _aligned(ptrs)),
-                ctx, device)
+        cls = _PLANS[kind]()
+        names = OPERANDS[kind][:-1]
+        shapes = dict(zip((names[i] for i in cls.OUTPUTS), _output_shapes(prob, kind)))
+        ptrs = [op.ptr for op in (getattr(prob, n) for n in OPERANDS[kind]) if op is not None]
+        return cls(prob, _plan_strides(prob, names, shapes), _aligned(ptrs)), ctx, device
     finally:
         _driver.leave(pushed)
 
 
-def run_forward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
-    """Run the forward pass of a validated problem; return ``(out, lse)``.
+def _output_shapes(prob: Problem, kind: str) -> Tuple[Tuple[int, ...], ...]:
+    qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
+    return (qs, qs[:3]) if kind == "fwd" else (qs, ks, ks)
+
+
+def run(prob: Problem, kind: str, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
+    """Run pass ``kind`` of a validated problem; return its outputs (``(out, lse)`` or ``(dq, dk, dv)``).
 
     ``keep(plan, context, device)``, when given, receives the plan for later
     calls of the same signature (``pycudaflash._calls``).
     """
     if not prob.on_device:
-        return _run_host(prob, stream, "fwd")
-    plan, ctx, device = plan_forward(prob)
+        return _run_host(prob, stream, kind)
+    plan_, ctx, device = plan(prob, kind)
     if keep is not None:
-        keep(plan, ctx, device)
-    ops = [prob.q, prob.k, prob.v, prob.out, prob.lse, prob.mask]
+        keep(plan_, ctx, device)
+    ops = [getattr(prob, n) for n in OPERANDS[kind]]
     ptrs = [op.ptr if op is not None else 0 for op in ops]
     objs = [op.obj if op is not None else None for op in ops]
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        return launch_forward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs,
-                              kl_host=prob.key_lengths)
+        return launch(plan_, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs, kl_host=prob.key_lengths)
     finally:
         _driver.leave(pushed)
 
 
-def launch_forward(plan: ForwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                   objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None,
-                   workspace: int = 0):
-    """Allocate missing outputs and launch ``plan``; return ``(out, lse)``.
+def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int], objs: Sequence[Any],
+           device_kl: int = 0, kl_host: Optional[np.ndarray] = None, workspace: int = 0) -> Tuple[Any, ...]:
+    """Allocate the outputs missing from ``objs``, launch ``plan_`` and return its outputs.
 
-    ``ptrs`` and ``objs``: pointers and objects of q, k, v, out, lse, mask
-    (None and 0 where absent).  Key lengths, where the plan has them:
-    ``device_kl``, a device int32 array read in place, or ``kl_host``,
-    validated host int32 values copied into the workspace.  ``workspace``:
-    device memory of the caller's for the plan's workspace (0: one per call).
+    ``ptrs`` and ``objs``: pointers and objects of the pass's
+    :data:`OPERANDS` (None and 0 where absent).  Key lengths, where the plan
+    has them: ``device_kl``, a device int32 array read in place, or
+    ``kl_host``, validated host int32 values copied into the workspace.
+    ``workspace``: device memory of the caller's for the plan's workspace
+    (0: one per call).
     """
     like = objs[0]
-    out, lse = objs[3], objs[4]
-    vals = [0] * plan.N_VALS
-    vals[0], vals[1], vals[2] = ptrs[0], ptrs[1], ptrs[2]
-    vals[plan.M] = ptrs[5]
-    if out is None or lse is None:
-        _refuse_capture(like, stream, "out= and lse=")
-    if out is None:
-        out = empty_like_input(like, plan.shapes[0], plan.dtype, device, stream)
-        vals[plan.O] = _ptr(out)
-    else:
-        vals[plan.O] = ptrs[3]
-    if lse is None:
-        lse = empty_like_input(like, plan.shapes[1], np.dtype(np.float32), device, stream)
-        vals[plan.L] = _ptr(lse)
-    else:
-        vals[plan.L] = ptrs[4]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like,
+    vals = list(ptrs) + [0] * (plan_.N_VALS - len(ptrs))
+    outs = []
+    for i, shape, dtype in zip(plan_.OUTPUTS, plan_.shapes, plan_.out_dtypes):
+        o = objs[i]
+        if o is None:
+            _refuse_capture(like, stream, plan_.OUTPUT_NAMES)
+            o = empty_like_input(like, shape, dtype, device, stream)
+            vals[i] = _ptr(o)
+        outs.append(o)
+    execute(plan_, vals, ctx, device, stream, _key_lengths_arg(plan_, vals, stream, device_kl, kl_host), like,
             workspace)
-    return out, lse
-
-
-#: Operands of a backward call, in the order of launch_backward's ``ptrs`` and ``objs``.
-BWD_OPERANDS = ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask")
-
-
-def plan_backward(prob: Problem) -> Tuple[BackwardPlan, int, int]:
-    """``(plan, context, device)`` of a validated device problem (compiles on first use)."""
-    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
-    try:
-        device = _driver.context_device(ctx)
-        _check_device(prob, device)
-        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
-        ptrs = [op.ptr for op in (getattr(prob, n) for n in BWD_OPERANDS) if op is not None]
-        return (BackwardPlan(prob, _plan_strides(prob, BWD_OPERANDS[:9], {"dq": qs, "dk": ks, "dv": ks}),
-                             _aligned(ptrs)), ctx, device)
-    finally:
-        _driver.leave(pushed)
-
-
-def run_backward(prob: Problem, stream: Any = None, keep: Optional[Callable[[Any, int, int], None]] = None):
-    """Run the backward pass of a validated problem; return ``(dq, dk, dv)`` (``keep`` as in run_forward)."""
-    if not prob.on_device:
-        return _run_host(prob, stream, "bwd")
-    plan, ctx, device = plan_backward(prob)
-    if keep is not None:
-        keep(plan, ctx, device)
-    ops = [getattr(prob, n) for n in BWD_OPERANDS]
-    ptrs = [op.ptr if op is not None else 0 for op in ops]
-    objs = [op.obj if op is not None else None for op in ops]
-    ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
-    try:
-        return launch_backward(plan, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs,
-                               kl_host=prob.key_lengths)
-    finally:
-        _driver.leave(pushed)
-
-
-def launch_backward(plan: BackwardPlan, ctx: int, device: int, stream: int, ptrs: Sequence[int],
-                    objs: Sequence[Any], device_kl: int = 0, kl_host: Optional[np.ndarray] = None,
-                    workspace: int = 0):
-    """Allocate missing gradients and launch ``plan``; return ``(dq, dk, dv)``.
-
-    ``ptrs``/``objs`` follow :data:`BWD_OPERANDS`; ``device_kl``,
-    ``kl_host`` and ``workspace`` as in :func:`launch_forward`.
-    """
-    like = objs[0]
-    vals = [0] * plan.N_VALS
-    vals[:6] = ptrs[:6]
-    vals[plan.M] = ptrs[9]
-    grads = [objs[6], objs[7], objs[8]]
-    if grads[0] is None or grads[1] is None or grads[2] is None:
-        _refuse_capture(like, stream, "dq=, dk= and dv=")
-    for i, slot in enumerate((plan.DQ, plan.DK, plan.DV)):
-        if grads[i] is None:
-            grads[i] = empty_like_input(like, plan.shapes[i], plan.dtype, device, stream)
-            vals[slot] = _ptr(grads[i])
-        else:
-            vals[slot] = ptrs[6 + i]
-    execute(plan, vals, ctx, device, stream, _key_lengths_arg(plan, vals, stream, device_kl, kl_host), like,
-            workspace)
-    return tuple(grads)
+    return tuple(outs)
 
 
 def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int,

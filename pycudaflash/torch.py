@@ -28,12 +28,11 @@ only allocates its outputs and launches.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _driver, _validate, compiler, cuda_backend
+from . import _calls, _driver, _validate, cuda_backend
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["flash_attention"]
@@ -107,7 +106,7 @@ def flash_attention(
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic)
     else:
-        out, lse = _forward_impl(q, k, v, mask, kl, opts)
+        out, lse = _forward_impl(q, k, v, mask, kl, opts, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -168,32 +167,12 @@ def _plain(*tensors: Any) -> bool:
 
 # --------------------------------------------------------------- the passes
 
-# Plans of the CUDA path per call signature: (plan, context, device), the oldest dropped past MAX_PLANS.
-_plans: Dict[Any, Tuple[Any, int, int]] = {}
-MAX_PLANS = 1024
-
 
 def _kl_key(kl: Optional[Tensor]) -> Any:
     """Key lengths in a signature: the CUDA tensor's layout, or ``'host'`` (values checked every call)."""
     if kl is None:
         return None
     return ("device", kl.shape, kl.stride()) if kl.is_cuda else "host"
-
-
-def _kl_args(kl: Optional[Tensor], plan: Any) -> Tuple[int, Any]:
-    """``(device pointer, checked host values)`` of a call's key lengths."""
-    if kl is None:
-        return 0, None
-    if kl.is_cuda:
-        return kl.data_ptr(), None
-    return 0, _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
-
-
-def _remember(key: Any, entry: Tuple[Any, int, int]) -> Tuple[Any, int, int]:
-    if len(_plans) >= MAX_PLANS:
-        _plans.pop(next(iter(_plans)))
-    _plans[key] = entry
-    return entry
 
 
 def empty_like_layout(t: Tensor) -> Tensor:
@@ -206,28 +185,24 @@ def empty_like_layout(t: Tensor) -> Tensor:
     return t.new_empty((B, N, H, D)).transpose(1, 2)
 
 
-def _cuda_key(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
-              opts: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """The signature of a call on CUDA tensors.
+def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
+               opts: Tuple[Any, ...], ptrs: Tuple[int, ...]) -> Tuple[Any, ...]:
+    """The plan-cache key of a call on CUDA tensors (``pycudaflash._calls``).
 
     ``tensors`` are the inputs whose layout the caller chose; the outputs
     (:func:`empty_like_layout` of them) and the saved ``out`` and ``lse``
     follow from those.  Whether every pointer is 16-byte aligned is part of it.
     """
-    key = [kind, tensors[0].get_device(), opts, _kl_key(kl), os.environ.get(_HOPPER_ENV),
-           os.environ.get(_TILES_ENV)]
-    low = 0
+    key = ["torch", kind, tensors[0].get_device(), opts, _kl_key(kl)]
     for t in tensors:
         key += (t.shape, t.stride(), t.dtype)
-        low |= t.data_ptr()
     if mask is not None:
         key += (mask.shape, mask.stride(), mask.dtype)
-        low |= mask.data_ptr()
+    low = 0
+    for p in ptrs:
+        low |= p
     key.append(low & 15 == 0)
     return tuple(key)
-
-
-_HOPPER_ENV, _TILES_ENV = compiler.TUNING_ENV
 
 
 def _host_key_lengths(kl: Optional[Tensor]) -> Any:
@@ -246,37 +221,53 @@ def _check_device_key_lengths(kl: Optional[Tensor], q: Tensor) -> None:
         raise ValueError(f"key_lengths is on {kl.device} but q is on {q.device}")
 
 
+def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: Tuple[int, ...],
+            kl: Optional[Tensor], q: Tensor) -> None:
+    """Launch pass ``kind`` on torch's current stream: the plan of ``key``, made on first use from
+    ``validate()``'s Problem.  ``ptrs``: the pass's operands (``cuda_backend.OPERANDS``), outputs
+    included (a forward's lse may be 0: not stored)."""
+    hit = _calls.lookup(key)
+    if hit is None:
+        _check_device_key_lengths(kl, q)
+        hit = _calls.remember(key, cuda_backend.plan(validate(), kind))
+    plan, _, device = hit[:3]
+    vals = [*ptrs, *(0,) * (plan.N_VALS - len(ptrs))]  # (key lengths, workspace, job counter: set below)
+    kl_host = None
+    if kl is not None:
+        if kl.is_cuda:
+            vals[plan.KL] = kl.data_ptr()
+        else:
+            kl_host = _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    ctx, pushed = _driver.enter(device)
+    try:
+        cuda_backend.execute(plan, vals, ctx, device, stream, kl_host, q)
+    finally:
+        _driver.leave(pushed)
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
-                  opts: Tuple[Any, ...]) -> Tuple[Tensor, Tensor]:
-    """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse`` contiguous."""
+                  opts: Tuple[Any, ...], need_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse``
+    contiguous (on CUDA, None and not stored unless ``need_lse``)."""
     causal, left, right, scale = opts
+    causal_arg = causal if causal != "none" else False
     out = empty_like_layout(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if not q.is_cuda:
         from .api import flash_attn_forward
 
-        flash_attn_forward(q, k, v, causal=causal if causal != "none" else False, window=(left, right),
-                           mask=mask, key_lengths=kl, scale=scale, out=out, lse=lse, backend="numpy")
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        flash_attn_forward(q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=kl,
+                           scale=scale, out=out, lse=lse, backend="numpy")
         return out, lse
-    key = _cuda_key("fwd", (q, k, v), mask, kl, opts)
-    hit = _plans.get(key)
-    if hit is None:
-        _check_device_key_lengths(kl, q)
-        prob = _validate.validate_forward(
-            q, k, v, causal=causal if causal != "none" else False, window=(left, right), mask=mask,
-            key_lengths=_host_key_lengths(kl), scale=scale, out=out, lse=lse)
-        hit = _remember(key, cuda_backend.plan_forward(prob))
-    plan, _, device = hit
-    kl_dev, kl_host = _kl_args(kl, plan)
-    ctx, pushed = _driver.enter(device)
-    try:
-        cuda_backend.launch_forward(
-            plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-             mask.data_ptr() if mask is not None else 0),
-            (q, k, v, out, lse, mask), kl_dev, kl_host)
-    finally:
-        _driver.leave(pushed)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if need_lse else None
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            0 if mask is None else mask.data_ptr())
+    _launch("fwd", _signature("fwd", (q, k, v), mask, kl, opts, ptrs),
+            lambda: _validate.validate_forward(
+                q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=_host_key_lengths(kl),
+                scale=scale, out=out, lse=lse),
+            ptrs, kl, q)
     return out, lse
 
 
@@ -285,35 +276,23 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward pass into new tensors laid out like q, k and v."""
     causal, left, right, scale = opts
+    causal_arg = causal if causal != "none" else False
     dout = _last_dim_contiguous(dout)
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     if not q.is_cuda:
         from .api import flash_attn_backward
 
-        flash_attn_backward(dout, q, k, v, out, lse, causal=causal if causal != "none" else False,
-                            window=(left, right), mask=mask, key_lengths=kl, scale=scale,
-                            deterministic=deterministic, dq=dq, dk=dk, dv=dv, backend="numpy")
+        flash_attn_backward(dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
+                            key_lengths=kl, scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                            backend="numpy")
         return dq, dk, dv
-    key = _cuda_key("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,))
-    hit = _plans.get(key)
-    if hit is None:
-        _check_device_key_lengths(kl, q)
-        prob = _validate.validate_backward(
-            dout, q, k, v, out, lse, causal=causal if causal != "none" else False, window=(left, right),
-            mask=mask, key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic,
-            dq=dq, dk=dk, dv=dv)
-        hit = _remember(key, cuda_backend.plan_backward(prob))
-    plan, _, device = hit
-    kl_dev, kl_host = _kl_args(kl, plan)
-    ctx, pushed = _driver.enter(device)
-    try:
-        cuda_backend.launch_backward(
-            plan, ctx, device, torch._C._cuda_getCurrentRawStream(device),
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), mask.data_ptr() if mask is not None else 0),
-            (q, k, v, out, dout, lse, dq, dk, dv, mask), kl_dev, kl_host)
-    finally:
-        _driver.leave(pushed)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if mask is None else mask.data_ptr())
+    _launch("bwd", _signature("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,), ptrs),
+            lambda: _validate.validate_backward(
+                dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
+                key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv),
+            ptrs, kl, q)
     return dq, dk, dv
 
 

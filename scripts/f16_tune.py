@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+import pycudaflash
 from pycudaflash import compiler, cuda_backend, flash_attn_backward, flash_attn_forward
 
 cuda_backend.activate()
@@ -176,6 +177,7 @@ def sweep():
                 if hd != D:
                     continue
                 os.environ.update(PYCUDAFLASH_TILES=spec, PYCUDAFLASH_WGMMA=family)
+                pycudaflash.clear_plans()  # (the tuning variables are read when a signature is planned)
                 try:
                     f = timed(prob.forward)
                     prob.fill_forward()
