@@ -99,12 +99,18 @@ def flash_attention(
         opts = _options(q, causal, window, scale)
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    # The common case first: plain tensors with rows of D contiguous elements, no mask or key
+    # lengths, eagerly (each check here costs host time on every call).
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and mask is None
+            and key_lengths is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     kl = None if key_lengths is None else _key_lengths_tensor(key_lengths)
     if torch.compiler.is_compiling() or not _plain(q, k, v, mask, kl):
         out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, *opts, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic)
+        if not return_lse:
+            return _Attention.apply(q, k, v, mask, kl, opts, deterministic, False)
+        out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic, True)
     else:
         out, lse = _forward_impl(q, k, v, mask, kl, opts, return_lse)
     return (out, lse) if return_lse else out
@@ -182,7 +188,7 @@ def empty_like_layout(t: Tensor) -> Tensor:
     if t.is_contiguous():
         return torch.empty_like(t)  # (preserves the contiguous layout)
     B, H, N, D = t.shape
-    return t.new_empty((B, N, H, D)).transpose(1, 2)
+    return torch.empty_strided((B, H, N, D), (N * H * D, D, H * D, 1), dtype=t.dtype, device=t.device)
 
 
 def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
@@ -230,7 +236,7 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
     if hit is None:
         _check_device_key_lengths(kl, q)
         hit = _calls.remember(key, cuda_backend.plan(validate(), kind))
-    plan, _, device = hit[:3]
+    plan, _, device, _ = hit
     vals = [*ptrs, *(0,) * (plan.N_VALS - len(ptrs))]  # (key lengths, workspace, job counter: set below)
     kl_host = None
     if kl is not None:
@@ -238,10 +244,13 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
             vals[plan.KL] = kl.data_ptr()
         else:
             kl_host = _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
-    stream = torch._C._cuda_getCurrentRawStream(device)
+    # The workspace comes from torch's caching allocator, ordered on this stream like the launches
+    # (freed on return, reused by later work on the stream only).
+    ws = q.new_empty((plan.ws_bytes,), dtype=torch.uint8) if plan.ws_bytes else None
     ctx, pushed = _driver.enter(device)
     try:
-        cuda_backend.execute(plan, vals, ctx, device, stream, kl_host, q)
+        cuda_backend.execute(plan, vals, ctx, device, torch._C._cuda_getCurrentRawStream(device), kl_host, None,
+                             0 if ws is None else ws.data_ptr())
     finally:
         _driver.leave(pushed)
 
@@ -300,22 +309,25 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 
 class _Attention(torch.autograd.Function):
-    """Eager path: forward and backward call the implementations directly."""
+    """Eager path: forward and backward call the implementations directly.  The forward returns
+    ``out``, or ``(out, lse)`` when asked (lse is saved either way, and not differentiable)."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
-                opts: Tuple[Any, ...], deterministic: bool) -> Tuple[Tensor, Tensor]:
+                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool) -> Any:
         out, lse = _forward_impl(q, k, v, mask, kl, opts)
         ctx.save_for_backward(q, k, v, out, lse, mask, kl)
-        ctx.opts, ctx.deterministic = opts, deterministic
+        ctx.args = (opts, deterministic)
+        if not return_lse:
+            return out
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
+    def backward(ctx: Any, dout: Tensor, *_dlse: Any) -> Tuple[Any, ...]:
         q, k, v, out, lse, mask, kl = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, mask, kl, ctx.opts, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, mask, kl, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ---------------------------------------------------------- custom operators

@@ -8,14 +8,17 @@ Method
   non-causal, default scale ``D ** -0.5``.  The kernels of such a problem
   take a few microseconds, so the time a call costs is the Python / dispatch
   / launch work on the host.
-* For every measured callable: ``--warmup`` calls (200), a synchronisation,
-  then ``--repeats`` (5) times: ``--calls`` (2000) calls back to back, timed
-  with ``time.perf_counter()``, then ``torch.cuda.synchronize()`` (CUDA only)
-  and the clock read again.  host us/call = loop time before the sync /
-  calls; wall us/call = the time including the final sync / calls (when the
-  device keeps up, the two are about equal; a wall time well above the host
-  time means the device, not the host, is the bottleneck).  The median over
-  the repeats of each is reported.
+* Every measured callable first runs ``--warmup`` calls (200); then
+  ``--repeats`` (9) rounds, in each of which every callable in turn runs
+  ``--calls`` (1000) calls back to back, timed with ``time.perf_counter()``,
+  then ``torch.cuda.synchronize()`` (CUDA only) and the clock read again.
+  Interleaving the callables makes a change of the host's speed (the GPU
+  machine's CPU is shared and drifts) fall on all of them alike.
+  host us/call = loop time before the sync / calls; wall us/call = the time
+  including the final sync / calls (when the device keeps up, the two are
+  about equal; a wall time well above the host time means the device, not
+  the host, is the bottleneck).  The median over the rounds of each is
+  reported.
 * Measured callables (each that raises is reported as n/a with the reason):
 
   - ``ours torch-op fwd``: ``flash_attention(q, k, v)``, inputs not requiring grad;
@@ -65,9 +68,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--calls", type=int, default=2000, help="calls per timed loop")
+    p.add_argument("--calls", type=int, default=1000, help="calls per timed loop")
     p.add_argument("--warmup", type=int, default=200, help="untimed calls before the timed loops")
-    p.add_argument("--repeats", type=int, default=5, help="timed loops per callable (median reported)")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="rounds of one timed loop per callable, interleaved (median reported)")
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     a = p.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -131,24 +135,37 @@ def entries(a: argparse.Namespace) -> List[Entry]:
     ]
 
 
-def measure(fn: Callable[[], Any], a: argparse.Namespace, sync: Callable[[], None]) -> Dict[str, Any]:
-    """Median host and wall microseconds per call of ``fn`` over ``a.repeats`` loops of ``a.calls`` calls."""
-    for _ in range(a.warmup):
+def timed_loop(fn: Callable[[], Any], a: argparse.Namespace, sync: Callable[[], None]) -> Tuple[float, float]:
+    """Host and wall microseconds per call of one loop of ``a.calls`` calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(a.calls):
         fn()
+    t1 = time.perf_counter()
     sync()
-    host: List[float] = []
-    wall: List[float] = []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        for _ in range(a.calls):
-            fn()
-        t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    return (t1 - t0) / a.calls * 1e6, (t2 - t0) / a.calls * 1e6
+
+
+def measure_all(built: List[Tuple[str, Callable[[], Any], Callable[[], Any]]], a: argparse.Namespace,
+                sync: Callable[[], None]) -> Dict[str, Dict[str, Any]]:
+    """``a.repeats`` rounds in which every callable runs one timed loop in turn, so that a change
+    of the host's speed (a shared machine) falls on all of them alike; medians over the rounds."""
+    times: Dict[str, List[Tuple[float, float]]] = {name: [] for name, _, _ in built}
+    for name, fn, ctx in built:
+        with ctx():
+            for _ in range(a.warmup):
+                fn()
         sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / a.calls * 1e6)
-        wall.append((t2 - t0) / a.calls * 1e6)
-    return {"host_us": statistics.median(host), "wall_us": statistics.median(wall),
-            "host_us_all": host, "wall_us_all": wall}
+    for _ in range(a.repeats):
+        for name, fn, ctx in built:
+            with ctx():
+                times[name].append(timed_loop(fn, a, sync))
+    out = {}
+    for name, ts in times.items():
+        host, wall = [t[0] for t in ts], [t[1] for t in ts]
+        out[name] = {"host_us": statistics.median(host), "wall_us": statistics.median(wall),
+                     "host_us_all": host, "wall_us_all": wall}
+    return out
 
 
 def main() -> None:
@@ -160,17 +177,23 @@ def main() -> None:
           f"({a.batch}, {a.heads}, {a.seqlen}, {a.head_dim}) {a.dtype}; "
           f"{a.calls} calls x {a.repeats} repeats after {a.warmup} warm-up calls")
     results: List[Dict[str, Any]] = []
+    built = []
     for label, build, ctx in entries(a):
         row: Dict[str, Any] = {"name": label}
         try:
             with ctx():
-                row.update(measure(build(), a, sync))
+                fn = build()
+                fn()
+            built.append((label, fn, ctx))
         except Exception as e:  # reported, not fatal
             text = str(e).strip().replace("|", "/")
             row["error"] = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
             if cuda:
                 sync()
         results.append(row)
+    measured = measure_all(built, a, sync)
+    for row in results:
+        row.update(measured.get(row["name"], {}))
 
     print()
     print("| callable | host us/call | wall us/call |")
