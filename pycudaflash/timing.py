@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-__all__ = ["TimingResult", "time_cuda", "CudaTimer", "attention_flops", "tflops"]
+__all__ = ["TimingResult", "time_cuda", "CudaTimer", "attention_flops", "tflops", "median_interval"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class TimingResult:
         Time of every timed call, in call order (warm-up calls excluded).
     median_ms, min_ms, mean_ms, max_ms, stdev_ms : float
         Summary statistics of ``times_ms`` (``stdev_ms`` is 0 for one call).
+    median_ci_ms : (float, float)
+        A distribution-free 95 % confidence interval of the median
+        (:func:`median_interval`).
     """
 
     times_ms: Tuple[float, ...]
@@ -42,6 +45,7 @@ class TimingResult:
     mean_ms: float
     max_ms: float
     stdev_ms: float
+    median_ci_ms: Tuple[float, float]
 
     @classmethod
     def from_times(cls, times_ms: Sequence[float]) -> "TimingResult":
@@ -56,6 +60,7 @@ class TimingResult:
             mean_ms=statistics.fmean(times),
             max_ms=max(times),
             stdev_ms=statistics.stdev(times) if len(times) > 1 else 0.0,
+            median_ci_ms=median_interval(times),
         )
 
     def as_dict(self) -> dict:
@@ -66,14 +71,43 @@ class TimingResult:
             "mean_ms": self.mean_ms,
             "max_ms": self.max_ms,
             "stdev_ms": self.stdev_ms,
+            "median_ci_ms": list(self.median_ci_ms),
             "times_ms": list(self.times_ms),
         }
 
     def __str__(self) -> str:
         return (
-            f"median {self.median_ms:.4f} ms, min {self.min_ms:.4f} ms, "
+            f"median {self.median_ms:.4f} ms (95 % CI {self.median_ci_ms[0]:.4f}-{self.median_ci_ms[1]:.4f}), "
+            f"min {self.min_ms:.4f} ms, "
             f"mean {self.mean_ms:.4f} ms over {len(self.times_ms)} calls"
         )
+
+
+def median_interval(samples: Sequence[float], level: float = 0.95) -> Tuple[float, float]:
+    """A confidence interval of the median of the distribution ``samples`` were drawn from.
+
+    Distribution-free (timings are skewed, often bimodal): with ``n`` sorted
+    samples ``x(1) <= ... <= x(n)``, ``[x(j), x(n + 1 - j)]`` misses the
+    median with probability ``2 P(X < j)``, ``X ~ Binomial(n, 1/2)``; ``j`` is
+    the largest rank that keeps this at most ``1 - level``.  Below 6
+    samples no rank does, and the interval is ``(min, max)``, whose coverage
+    is then less than ``level``.
+    """
+    from scipy.stats import binom
+
+    x = sorted(float(t) for t in samples)
+    n = len(x)
+    if n == 0:
+        raise ValueError("no samples")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    j = int(binom.ppf((1.0 - level) / 2.0, n, 0.5))  # (a first guess, then adjusted exactly)
+    while j >= 1 and 2.0 * binom.cdf(j - 1, n, 0.5) > 1.0 - level:
+        j -= 1
+    while 2.0 * binom.cdf(j, n, 0.5) <= 1.0 - level:
+        j += 1
+    j = max(j, 1)
+    return x[j - 1], x[n - j]
 
 
 def time_cuda(

@@ -11,6 +11,7 @@ set -uo pipefail
 out=${1:-gpu-check-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export PYCUDAFLASH_TEST_COMPILE=${PYCUDAFLASH_TEST_COMPILE:-1}  # (the compile-every-variant test runs here)
 status=0
 
 python3 -m pycudaflash info 2>&1 | tee "$out/info.log"

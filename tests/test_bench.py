@@ -1,10 +1,12 @@
-"""scripts/bench.py pieces that need no GPU: option checks and the merging of timing rounds."""
+"""scripts/bench.py pieces that need no GPU (option checks, the merging of timing rounds) and the
+confidence interval of its medians."""
 
 import importlib.util
 import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pycudaflash.timing import TimingResult
@@ -75,3 +77,23 @@ def test_settle_synchronises_then_waits(monkeypatch: pytest.MonkeyPatch) -> None
     bench.settle(0.25)
     bench.settle(0.0)
     assert calls == ["sync", ("sleep", 0.25), "sync"]
+
+
+def test_median_interval_uses_the_binomial_ranks() -> None:
+    from pycudaflash.timing import median_interval
+
+    # n = 100: ranks 40 and 61 (the tabulated 95 % interval); n = 9: ranks 2 and 8.
+    assert median_interval(list(range(1, 101))) == (40.0, 61.0)
+    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2.0, 8.0)
+    assert median_interval([2.0, 1.0]) == (1.0, 2.0)  # too few samples: the range
+
+
+def test_median_interval_covers_the_median_at_its_level() -> None:
+    from pycudaflash.timing import median_interval
+
+    # Skewed samples (exponential, median log 2): coverage of 3000 intervals of 25 samples
+    # lies within 3 standard errors of the exact coverage of ranks 8 and 18 (0.9567).
+    rng = np.random.default_rng(7)
+    hits = sum(lo <= np.log(2) <= hi for lo, hi in (median_interval(rng.exponential(size=25)) for _ in range(3000)))
+    se = (0.9567 * 0.0433 / 3000) ** 0.5
+    assert abs(hits / 3000 - 0.9567) < 3 * se

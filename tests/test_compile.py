@@ -1,7 +1,10 @@
 """Every kernel variant the library can request compiles with nvcc, without spills.
 
-Runs on machines without a GPU: it needs only ``nvcc``.  The source and
-options are the ones :mod:`pycudaflash.compiler` hands to PyCUDA at run time.
+Runs on machines without a GPU: it needs only ``nvcc``, and takes minutes
+(every variant for sm_80 and sm_90), so it runs only when asked:
+``PYCUDAFLASH_TEST_COMPILE=1 python -m pytest tests/test_compile.py``.
+The source and options are the ones :mod:`pycudaflash.compiler` hands to
+PyCUDA at run time.
 """
 
 import os
@@ -14,7 +17,13 @@ from pycudaflash import compiler
 
 ARCHES = ("sm_80", "sm_90")
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+ASK_ENV = "PYCUDAFLASH_TEST_COMPILE"
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get(ASK_ENV) != "1",
+                       reason=f"compiling every variant takes minutes: set {ASK_ENV}=1 to run it"),
+    pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH"),
+]
 
 
 @pytest.fixture(scope="module")
