@@ -13,7 +13,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -444,6 +446,41 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Compile every kernel variant for this GPU (or ``--arch``) into the disk cache, in parallel."""
+    from . import compiler
+
+    try:
+        importlib.import_module("pycuda.compiler")  # (variants compile through PyCUDA's disk cache)
+    except Exception as exc:
+        print(f"warm needs PyCUDA and nvcc: {_na(exc)}", file=sys.stderr)
+        return 1
+
+    arch = args.arch
+    pushed = False
+    if arch is None:
+        from . import _driver
+
+        ctx, pushed = _driver.enter(None)
+        arch = compiler.arch_of_current_device()
+    try:
+        variants = list(compiler.all_variants(arch=arch))
+        print(f"building {len(variants)} kernel variants for {arch} with {args.jobs} nvcc processes "
+              f"into {compiler.cache_dir()}", flush=True)
+        t0 = time.perf_counter()
+
+        def progress(done: int, total: int, pass_: str, defs: Dict[str, int], seconds: float) -> None:
+            hd, mask = defs.get("HEAD_DIM"), defs.get("MASK_MODE")
+            print(f"[{done:3d}/{total}] {pass_:9s} head dim {hd:3d} mask mode {mask} {seconds:6.1f} s", flush=True)
+
+        compiler.warm_cache(arch=arch, jobs=args.jobs, variants=variants, progress=progress)
+        print(f"done in {time.perf_counter() - t0:.0f} s")
+    finally:
+        if pushed:
+            _driver.leave(pushed)
+    return 0
+
+
 # --------------------------------------------------------------------------
 
 
@@ -470,6 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.set_defaults(func=cmd_check)
     p_info = sub.add_parser("info", help="print versions, backends, device and kernel cache")
     p_info.set_defaults(func=cmd_info)
+    p_warm = sub.add_parser("warm", help="compile every kernel variant into the disk cache, with progress",
+                            description="Compile every kernel variant for this GPU (or --arch) in parallel, "
+                                        "so that no later call waits for nvcc.")
+    p_warm.add_argument("--arch", default=None, help="target, e.g. sm_90 (default: the current GPU's)")
+    p_warm.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                        help="parallel nvcc processes (default: CPUs, at most 16)")
+    p_warm.set_defaults(func=cmd_warm)
     return parser
 
 

@@ -21,17 +21,19 @@ build every variant the library can request.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 COMMON = "flash_common.cuh"
 COMMON_F16 = "flash_common_f16.cuh"
@@ -468,6 +470,29 @@ def cubin(pass_: str, defs: Dict[str, int], arch: str) -> bytes:
                           cache_dir=_explicit_cache_dir())
 
 
+#: Seconds a variant may take to come from PyCUDA's cache before :func:`get_module` says that it
+#: is compiling it (``$PYCUDAFLASH_QUIET=1``: never).
+COMPILE_NOTICE_S = 0.5
+
+
+@contextlib.contextmanager
+def _compile_notice(pass_: str, defs: Dict[str, int], arch: str) -> Iterator[None]:
+    """One line on stderr if the block (a cubin from the cache, or nvcc) outlasts COMPILE_NOTICE_S."""
+    if os.environ.get("PYCUDAFLASH_QUIET", "") == "1":
+        yield
+        return
+    label = f"{pass_} ({', '.join(f'{k}={v}' for k, v in sorted(defs.items()))})"
+    timer = threading.Timer(COMPILE_NOTICE_S, lambda: print(
+        f"pycudaflash: compiling kernel variant {label} for {build_arch(pass_, arch)}; it is cached "
+        f"for later runs ('python -m pycudaflash warm' builds them all)", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def get_module(pass_: str, defs: Dict[str, int]):
     """The variant's module (:class:`pycudaflash._driver.Module`) in the current context (memoised)."""
     from . import _driver
@@ -479,7 +504,10 @@ def get_module(pass_: str, defs: Dict[str, int]):
     with _lock:
         mod = _modules.get(key)
         if mod is None:
-            mod = _modules[key] = _driver.Module(cubin(pass_, defs, arch_of_current_device()))
+            arch = arch_of_current_device()
+            with _compile_notice(pass_, defs, arch):
+                image = cubin(pass_, defs, arch)
+            mod = _modules[key] = _driver.Module(image)
             compiled_variants.append((pass_, key[2]))
     return mod
 
@@ -598,16 +626,18 @@ def compile_offline(pass_: str, defs: Dict[str, int], arch: str, nvcc: str = "nv
     return OfflineResult(pass_, dict(defs), arch, proc.returncode == 0, log, regs, spills, stack)
 
 
-def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None) -> List[Tuple[str, Dict[str, int], float]]:
+def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None,
+               progress: Optional[Callable[[int, int, str, Dict[str, int], float], None]] = None
+               ) -> List[Tuple[str, Dict[str, int], float]]:
     """Compile variants into PyCUDA's disk cache in parallel (nvcc processes).
 
-    Returns ``(pass, defines, seconds)`` for each.  Later ``get_module`` calls
-    for these variants then only load the cached cubins.
+    Returns ``(pass, defines, seconds)`` for each, in the order given.  Later
+    ``get_module`` calls for these variants then only load the cached cubins.
+    ``progress(done, total, pass, defines, seconds)`` is called as each one
+    finishes.
     """
     import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    from pycuda.compiler import compile as pycuda_compile
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     if arch is None:
         arch = arch_of_current_device()
@@ -616,9 +646,14 @@ def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None) -> List
     def build(item):
         pass_, defs = item
         t0 = time.perf_counter()
-        pycuda_compile(source(pass_), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
-                       cache_dir=_explicit_cache_dir())
+        cubin(pass_, defs, arch)
         return pass_, defs, time.perf_counter() - t0
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(build, todo))
+    results: Dict[int, Tuple[str, Dict[str, int], float]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(build, item): i for i, item in enumerate(todo)}
+        for fut in as_completed(futures):
+            results[futures[fut]] = res = fut.result()
+            if progress is not None:
+                progress(len(results), len(todo), *res)
+    return [results[i] for i in range(len(todo))]

@@ -125,3 +125,28 @@ def test_wgmma_header_is_generated() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_wgmma.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_warm_cache_reports_progress_in_order(monkeypatch) -> None:
+    built = []
+    monkeypatch.setattr(compiler, "cubin", lambda p, d, a: built.append((p, d["HEAD_DIM"], a)) or b"")
+    variants = list(compiler.all_variants(arch="sm_90"))[:7]
+    seen = []
+    res = compiler.warm_cache(arch="sm_90", jobs=3, variants=variants,
+                              progress=lambda done, total, p, d, s: seen.append((done, total)))
+    assert [(p, d) for p, d, _ in res] == variants
+    assert sorted(built) == sorted((p, d["HEAD_DIM"], "sm_90") for p, d in variants)
+    assert seen == [(i, 7) for i in range(1, 8)]
+
+
+def test_slow_compilation_is_announced_once(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("PYCUDAFLASH_QUIET", raising=False)
+    monkeypatch.setattr(compiler, "COMPILE_NOTICE_S", 0.01)
+    with compiler._compile_notice("fwd_sm90", {"HEAD_DIM": 64}, "sm_90"):
+        import time
+
+        time.sleep(0.2)
+    with compiler._compile_notice("fwd_sm90", {"HEAD_DIM": 64}, "sm_90"):
+        pass  # (a cached variant: no line)
+    err = capsys.readouterr().err
+    assert err.count("compiling kernel variant fwd_sm90 (HEAD_DIM=64) for sm_90a") == 1
