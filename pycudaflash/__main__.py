@@ -16,8 +16,6 @@ import argparse
 import importlib
 import math
 import os
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -381,25 +379,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------
 
 
-def _nvcc_version() -> str:
-    """Last line of ``nvcc --version``, or ``'not found'``."""
-    import os
-
-    candidates = [shutil.which("nvcc")]
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root:
-            candidates.append(os.path.join(root, "bin", "nvcc"))
-    for exe in candidates:
-        if exe and os.path.isfile(exe):
-            try:
-                text = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
-            except Exception as exc:
-                return f"n/a ({type(exc).__name__}: {exc})"
-            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-            return lines[-1].strip() if lines else "n/a (no output)"
-    return "not found"
-
-
 def _na(exc: BaseException) -> str:
     return f"n/a ({type(exc).__name__}: {exc})"
 
@@ -436,10 +415,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"device count       {drv.Device.count()}")
     except Exception as exc:
         print(f"device             {_na(exc)}")
-    print(f"nvcc               {_nvcc_version()}")
-    try:
-        from . import compiler
+    from . import compiler
 
+    print(f"nvcc               {compiler.nvcc_version()}")
+    try:
         print(f"kernel cache dir   {compiler.cache_dir()}")
     except Exception as exc:
         print(f"kernel cache dir   {_na(exc)}")

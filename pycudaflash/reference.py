@@ -17,7 +17,7 @@ import numpy as np
 
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
-__all__ = ["reference_forward", "reference_backward"]
+__all__ = ["reference_forward", "reference_backward", "masked_scores", "softmax_parts"]
 
 
 def _as_f64(x: Any) -> np.ndarray:
@@ -25,7 +25,7 @@ def _as_f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def _scores(
+def masked_scores(
     q: np.ndarray,
     k: np.ndarray,
     *,
@@ -85,7 +85,7 @@ def _scores(
     return S, s
 
 
-def _softmax_parts(S: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def softmax_parts(S: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Row probabilities ``P`` and natural-log ``lse`` of scores ``S``.
 
     ``S`` is overwritten by ``P``.  A row whose scores are all ``-inf`` gets
@@ -147,11 +147,11 @@ def reference_forward(
         no key.
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
-    S, _ = _scores(
+    S, _ = masked_scores(
         q64, k64, scale=scale, causal=causal, window=window, mask=mask,
         key_lengths=key_lengths,
     )
-    P, lse = _softmax_parts(S)
+    P, lse = softmax_parts(S)
     # O = P V.
     out = np.matmul(P, v64)
     return out, lse
@@ -187,12 +187,12 @@ def reference_backward(
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
     dO = _as_f64(dout)
-    S, s = _scores(
+    S, s = masked_scores(
         q64, k64, scale=scale, causal=causal, window=window, mask=mask,
         key_lengths=key_lengths,
     )
     # P = exp(S - lse), 0 on masked positions and on rows that see no key.
-    P, _ = _softmax_parts(S)
+    P, _ = softmax_parts(S)
     O = np.matmul(P, v64)
     # dV = P^T dO.
     dv = np.matmul(np.swapaxes(P, -1, -2), dO)

@@ -450,7 +450,7 @@ def noise_floors(
         ``'out'``, ``'lse'`` and, with ``dout``, ``'dq'``, ``'dk'`` and
         ``'dv'``; each broadcastable to the shape of its quantity.
     """
-    from .reference import _scores, _softmax_parts
+    from .reference import masked_scores, softmax_parts
 
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
     D = q64.shape[-1]
@@ -465,8 +465,8 @@ def noise_floors(
 
     # The reference's probabilities P (0 where masked and on rows that see no
     # key), then P^2 in place once out = P V is taken.
-    S, _ = _scores(q64, k64, scale=s, causal=causal, window=window, mask=mask, key_lengths=key_lengths)
-    P2, _ = _softmax_parts(S)
+    S, _ = masked_scores(q64, k64, scale=s, causal=causal, window=window, mask=mask, key_lengths=key_lengths)
+    P2, _ = softmax_parts(S)
     out64 = np.matmul(P2, v64)
     P2 *= P2
 
@@ -537,13 +537,13 @@ def allowed_and_bias(
         A float ``mask``, in its own dtype, broadcast to (B, H, Nq, Nk)
         (``-inf`` entries included); None for a bool mask or none.
     """
-    from .reference import _scores
+    from .reference import masked_scores
 
     m = None if mask is None else np.asarray(to_host(mask))
     bool_mask = m if m is not None and m.dtype == np.bool_ else None
     zq = np.zeros((B, H, Nq, 1))
     zk = np.zeros((B, H, Nk, 1))
-    S, _ = _scores(zq, zk, scale=1.0, causal=causal, window=window, mask=bool_mask,
+    S, _ = masked_scores(zq, zk, scale=1.0, causal=causal, window=window, mask=bool_mask,
                    key_lengths=key_lengths)
     allowed = S == 0.0
     bias = None
