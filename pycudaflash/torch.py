@@ -18,8 +18,9 @@ operator and its gradients work (slowly) without a GPU.
 
 An eager call on plain tensors goes straight to the same implementation the
 operators call, through one ``torch.autograd.Function``, which saves the
-operator dispatch (about 10 us a call); under ``torch.compile`` and for
-tensor subclasses (fake tensors, ...) the operators run.
+operator dispatch and the Python autograd wrapper of a registered operator;
+under ``torch.compile`` and for tensor subclasses (fake tensors, ...) the
+operators run.
 
 Each call signature (shapes, strides, dtype, device, options) is planned
 once (validation, kernel variant, grid, packed parameters); a repeated call
@@ -331,9 +332,20 @@ class _Attention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------- custom operators
+#
+# Defined with torch.library.Library and Python kernels registered for the
+# CPU and CUDA dispatch keys: a call costs one dispatcher round trip (6.4 us
+# on the H200 machine's host against 17 us for the same signature made with
+# torch.library.custom_op, whose Python wrappers run on every call).
+
+_lib = torch.library.Library("pycudaflash", "DEF")
+_lib.define("flash_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? key_lengths, str causal, "
+            "int window_left, int window_right, float scale, bool deterministic) -> (Tensor, Tensor)")
+_lib.define("flash_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+            "Tensor? key_lengths, str causal, int window_left, int window_right, float scale, "
+            "bool deterministic) -> (Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op("pycudaflash::flash_fwd", mutates_args=())
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
               causal: str, window_left: int, window_right: int, scale: float,
               deterministic: bool) -> Tuple[Tensor, Tensor]:
@@ -341,14 +353,6 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengt
     return _forward_impl(q, k, v, mask, key_lengths, (causal, window_left, window_right, scale))
 
 
-@flash_fwd.register_fake
-def _flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
-                    causal: str, window_left: int, window_right: int, scale: float,
-                    deterministic: bool) -> Tuple[Tensor, Tensor]:
-    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("pycudaflash::flash_bwd", mutates_args=())
 def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor],
               key_lengths: Optional[Tensor], causal: str, window_left: int, window_right: int, scale: float,
               deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -357,7 +361,19 @@ def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                           deterministic)
 
 
-@flash_bwd.register_fake
+for _key in ("CPU", "CUDA"):
+    _lib.impl("flash_fwd", flash_fwd, _key)
+    _lib.impl("flash_bwd", flash_bwd, _key)
+
+
+@torch.library.register_fake("pycudaflash::flash_fwd")
+def _flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
+                    causal: str, window_left: int, window_right: int, scale: float,
+                    deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.register_fake("pycudaflash::flash_bwd")
 def _flash_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     mask: Optional[Tensor], key_lengths: Optional[Tensor], causal: str, window_left: int,
                     window_right: int, scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -378,4 +394,4 @@ def _backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("pycudaflash::flash_fwd", _backward, setup_context=_setup_context)
