@@ -32,6 +32,8 @@
 // Pij and dSij pass through shared memory because dVj and dKj need them
 // transposed.  Tile layout (dq): as the forward, 4 warps of 16 query rows.
 
+#include "flash_common.cuh"
+
 // Tile sizes come from pycudaflash.compiler (-D); these defaults match it.
 #define BWD_WARPS 8
 #define BWD_THREADS (BWD_WARPS * WARP_SIZE)

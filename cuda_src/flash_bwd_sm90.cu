@@ -16,10 +16,9 @@
 // into the float32 accumulator.  With dQacc = nullptr (deterministic mode)
 // the dQ product is skipped and flash_bwd_dq_kernel computes dQ.
 //
-// This file follows flash_bwd_f16.cu in the same module (which provides
-// flash_bwd_preprocess, flash_bwd_dq_kernel, flash_bwd_convert_dq and
-// dq_add_pair; BWD_SM90 leaves its mma.sync dK/dV kernel out) and
-// flash_common_sm90.cuh (swizzled shared-memory tiles).
+// The module's other kernels (flash_bwd_preprocess, flash_bwd_dq_kernel,
+// flash_bwd_convert_dq) and dq_add_pair come from flash_bwd_rows_f16.cuh,
+// the swizzled shared-memory tiles from flash_common_sm90.cuh.
 //
 // Assumptions: as flash_bwd_f16.cu.
 //
@@ -37,6 +36,9 @@
 //   registers; Bc = 64 keys and the head dim is split between the
 //   warpgroups instead (layout further below).
 // The next query tile loads (cp.async) while this one is used.
+
+#include "flash_bwd_rows_f16.cuh"
+#include "flash_common_sm90.cuh"
 
 #ifndef B90_WGS
 #define B90_WGS 2

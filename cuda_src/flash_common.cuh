@@ -1,7 +1,5 @@
-// flash_common.cuh -- pieces shared by flash_fwd.cu and flash_bwd.cu.
-//
-// pycudaflash.compiler pastes this text in front of each pass (no #include, so
-// PyCUDA's cache key is the plain source text) and adds the -D defines:
+// flash_common.cuh -- pieces shared by every pass (each reaches it through
+// #include); pycudaflash.compiler adds the -D defines:
 //   HEAD_DIM   padded head dimension of the variant (32, 64, 128, 256); the
 //              actual D <= HEAD_DIM arrives at run time and the columns past D
 //              are zero-filled in shared memory and never stored.
@@ -23,6 +21,8 @@
 // permutation of it applied to A and B alike gives the same product; we use
 // the "interleaved" order (k0, k1) = (2t, 2t+1) where it avoids shared-memory
 // bank conflicts and where A comes from a C fragment (P and dS).
+
+#pragma once
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"

@@ -1,6 +1,6 @@
 // flash_common_f16.cuh -- pieces shared by the float16/bfloat16 passes
-// (flash_fwd_f16.cu, flash_bwd_f16.cu).  pycudaflash.compiler pastes it after
-// flash_common.cuh (masks, cp.async) and before the pass, with the defines:
+// (flash_fwd_f16.cu, flash_bwd_f16.cu and the Hopper passes), on top of
+// flash_common.cuh (masks, cp.async); the defines:
 //   ELEM_BF16  0: float16 inputs and outputs, 1: bfloat16.
 //   HEAD_DIM   padded head dim of the variant (64, 96, 128, 192, 256).
 //
@@ -18,6 +18,9 @@
 // a row stride of 16 (mod 128) bytes puts the eight 16-byte rows one ldmatrix
 // phase reads in eight different bank groups, so every ldmatrix (plain and
 // transposed) and every 16-byte cp.async is free of bank conflicts.
+
+#pragma once
+#include "flash_common.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

@@ -1,5 +1,5 @@
 // flash_common_sm90.cuh -- shared-memory layout of the Hopper (sm_90a)
-// passes, flash_fwd_sm90.cu and flash_bwd_sm90.cu.  Pasted after
+// passes, flash_fwd_sm90.cu and flash_bwd_sm90.cu, on top of
 // flash_common_f16.cuh and flash_wgmma.cuh.
 //
 // wgmma reads its shared-memory operands through descriptors in one of a few
@@ -14,6 +14,10 @@
 // the output dimension: Vj in Pij Vj).  The permutation also makes the
 // 16-byte cp.async stores of a row and the paired 32-bit stores of dS^T
 // free of bank conflicts.
+
+#pragma once
+#include "flash_common_f16.cuh"
+#include "flash_wgmma.cuh"
 
 #define SWZ_COLS 64                                 // columns of one swizzle block (128 bytes)
 #define SWZ_ROW_BYTES 128

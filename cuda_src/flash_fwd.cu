@@ -26,6 +26,8 @@
 // masked element-wise, only boundary tiles are.  MASK_MODE adds a dense bool
 // or float mask.  A row that sees no key ends with li = 0: Oi = 0, Li = -inf.
 
+#include "flash_common.cuh"
+
 #define FWD_WARPS 4
 #define FWD_THREADS (FWD_WARPS * WARP_SIZE)
 #define BR (16 * FWD_WARPS)

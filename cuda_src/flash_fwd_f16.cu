@@ -28,6 +28,8 @@
 // dense bool or float mask.  A row that sees no key ends with li = 0:
 // Oi = 0, Li = -inf.
 
+#include "flash_common_f16.cuh"
+
 #ifndef FWD_WARPS
 #define FWD_WARPS 4
 #endif

@@ -40,6 +40,8 @@
 // dense bool or float mask.  A row that sees no key ends with li = 0:
 // Oi = 0, Li = -inf.
 
+#include "flash_common_sm90.cuh"
+
 #ifndef BC
 #if HEAD_DIM <= 128
 #define BC 128

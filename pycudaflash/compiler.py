@@ -6,9 +6,9 @@ This module is the only place that knows how a kernel variant is built:
   ``'*_f16'`` for float16/bfloat16 with ``mma.sync``, ``'*_sm90'`` for
   float16/bfloat16 with Hopper's ``wgmma``) plus its ``-D`` defines (head-dim
   bucket, mask mode, dtype, tile sizes);
-* its source is the pass's files (the common headers, then the ``.cu``)
-  pasted together (no ``#include``, so PyCUDA's disk cache is keyed on the
-  plain text);
+* its source is the pass's ``.cu`` file with the headers it ``#include``\ s
+  from ``cuda_src/`` inlined (:func:`source`), so that PyCUDA's disk cache,
+  keyed on the text, notices an edit in any of them;
 * it is compiled to a cubin by PyCUDA's ``compile`` with ``no_extern_c=True``
   for the current device's architecture (``sm_90a`` for the ``*_sm90``
   passes), cached on disk by PyCUDA (``cache_dir()``), loaded through the
@@ -36,20 +36,16 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 COMMON = "flash_common.cuh"
-COMMON_F16 = "flash_common_f16.cuh"
-WGMMA = "flash_wgmma.cuh"
-COMMON_SM90 = "flash_common_sm90.cuh"
-#: Source files of each pass, pasted in this order.  The ``*_f16`` passes
-#: serve float16 and bfloat16 (``ELEM_BF16`` picks the type).
-PASSES: Dict[str, Tuple[str, ...]] = {
-    "fwd": (COMMON, "flash_fwd.cu"),
-    "bwd": (COMMON, "flash_bwd.cu"),
-    "fwd_f16": (COMMON, COMMON_F16, "flash_fwd_f16.cu"),
-    "bwd_f16": (COMMON, COMMON_F16, "flash_bwd_f16.cu"),
-    "fwd_sm90": (COMMON, COMMON_F16, WGMMA, COMMON_SM90, "flash_fwd_sm90.cu"),
-    # flash_bwd_f16.cu brings the preprocess, dq and convert kernels; with
-    # BWD_SM90 its dK/dV kernel gives way to the one in flash_bwd_sm90.cu.
-    "bwd_sm90": (COMMON, COMMON_F16, "flash_bwd_f16.cu", WGMMA, COMMON_SM90, "flash_bwd_sm90.cu"),
+#: The source file of each pass; it reaches the shared headers through
+#: ``#include``.  The ``*_f16`` passes serve float16 and bfloat16
+#: (``ELEM_BF16`` picks the type).
+PASSES: Dict[str, str] = {
+    "fwd": "flash_fwd.cu",
+    "bwd": "flash_bwd.cu",
+    "fwd_f16": "flash_fwd_f16.cu",
+    "bwd_f16": "flash_bwd_f16.cu",
+    "fwd_sm90": "flash_fwd_sm90.cu",
+    "bwd_sm90": "flash_bwd_sm90.cu",
 }
 #: Passes built for an architecture-specific target (wgmma needs sm_90a).
 PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
@@ -361,7 +357,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # 3 warpgroups only where 168 registers suffice (not with a dense mask)
         # and for the layout up to head dim 128.
         wgs = t.bwd90_wgs if (mask_kind == "none" and head_dim <= 128) else min(t.bwd90_wgs, 2)
-        out.update(BWD_SM90=1, B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
+        out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
     elif pass_.startswith("fwd"):
         out["BC"] = t.fwd_bc
         if half:
@@ -392,9 +388,38 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -
 
 @functools.lru_cache(maxsize=None)
 def source(pass_: str) -> str:
-    """Full source text of a pass: the common header, then the pass."""
+    """Full source text of a pass: its file with every ``#include "..."`` of ``cuda_src/``
+    replaced by the header's text (once per header, as ``#pragma once`` would), and ``#line``
+    directives so that nvcc names the right file and line.
+
+    PyCUDA's disk cache keys on this text, so a change in any header a pass
+    includes compiles its variants again.
+    """
     kdir = kernel_dir()
-    return "\n".join(f'#line 1 "{name}"\n{(kdir / name).read_text()}' for name in PASSES[pass_])
+    seen = {PASSES[pass_]}
+    return "\n".join(_flatten(PASSES[pass_], kdir, seen)) + "\n"
+
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def _flatten(name: str, kdir: Path, seen: set) -> List[str]:
+    out = [f'#line 1 "{name}"']
+    for lineno, line in enumerate((kdir / name).read_text().splitlines(), 1):
+        m = _LOCAL_INCLUDE.match(line)
+        if m:
+            header = m.group(1)
+            if not (kdir / header).is_file():
+                raise FileNotFoundError(f"{name}:{lineno}: included {header!r} is not in {kdir}")
+            if header not in seen:
+                seen.add(header)
+                out += _flatten(header, kdir, seen)
+            out.append(f'#line {lineno + 1} "{name}"')
+        elif line.strip() == "#pragma once":
+            out.append("")  # (each header is pasted once anyway)
+        else:
+            out.append(line)
+    return out
 
 
 def options(defs: Dict[str, int]) -> List[str]:

@@ -54,6 +54,9 @@ PREAMBLE = """\
 // reads registers written since the last wait, wgmma_commit() after the batch,
 // wgmma_wait<n>() before the accumulators (or register A operands) are touched.
 
+#pragma once
+#include "flash_common_f16.cuh"
+
 typedef unsigned long long u64;
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }

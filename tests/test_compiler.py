@@ -77,7 +77,7 @@ def test_hopper_defines() -> None:
     assert compiler.defines("fwd_sm90", 256, "bool", "bfloat16", "sm_90")["BC"] == 32
     assert compiler.defines("fwd_sm90", 256, "none", "bfloat16", "sm_90")["BC"] == 64
     b = compiler.defines("bwd_sm90", 96, "float", "bfloat16", "sm_90")
-    assert b["BWD_SM90"] == 1 and b["ELEM_BF16"] == 1 and b["B90_BR"] == 64 and b["B90_WGS"] == 2
+    assert b["ELEM_BF16"] == 1 and b["B90_BR"] == 64 and b["B90_WGS"] == 2
     # D 64 backward: 3 warpgroups (192 keys), 2 with a dense mask.
     assert [compiler.defines("bwd_sm90", 64, mk, "float16", "sm_90")["B90_WGS"] for mk in ("none", "float")] == [3, 2]
     assert compiler.defines("bwd_sm90", 256, "none", "float16", "sm_90")["HEAD_DIM"] == 256
@@ -150,3 +150,43 @@ def test_slow_compilation_is_announced_once(monkeypatch, capsys) -> None:
         pass  # (a cached variant: no line)
     err = capsys.readouterr().err
     assert err.count("compiling kernel variant fwd_sm90 (HEAD_DIM=64) for sm_90a") == 1
+
+
+def test_pass_sources_are_their_files_with_headers_inlined_once(tmp_path, monkeypatch) -> None:
+    """``source()`` follows each file's own #include lines; a header edit changes the text (the
+    disk cache's key), for every pass that includes it."""
+    import shutil
+
+    kdir = tmp_path / "cuda_src"
+    shutil.copytree(compiler.kernel_dir(), kdir)
+    monkeypatch.setattr(compiler, "kernel_dir", lambda: kdir)
+    compiler.source.cache_clear()  # (memoised per process)
+    before = {p: compiler.source(p) for p in compiler.PASSES}
+    for p, text in before.items():
+        assert '#include "' not in text, f"{p}: an include was left in the source"
+        assert text.count("#pragma once") == 0
+        assert text.count('#line 1 "flash_common.cuh"') == 1, f"{p}: the common header is not there once"
+    assert 'flash_bwd_rows_f16.cuh' in before["bwd_sm90"] and 'flash_bwd_rows_f16.cuh' in before["bwd_f16"]
+    assert "flash_wgmma.cuh" not in before["fwd_f16"]
+    # Every header is reached by some pass.
+    reached = {h.name for h in kdir.glob("*.cuh") if any(f'"{h.name}"' in t for t in before.values())}
+    assert reached == {h.name for h in kdir.glob("*.cuh")}
+    # An edit in a header reaches exactly the passes that include it.
+    with open(kdir / "flash_common_sm90.cuh", "a") as f:
+        f.write("\n// edited\n")
+    compiler.source.cache_clear()
+    after = {p: compiler.source(p) for p in compiler.PASSES}
+    compiler.source.cache_clear()
+    assert {p for p in compiler.PASSES if after[p] != before[p]} == {"fwd_sm90", "bwd_sm90"}
+
+
+def test_a_missing_include_is_named(tmp_path, monkeypatch) -> None:
+    (tmp_path / "flash_common.cuh").write_text("// x\n")
+    (tmp_path / "flash_fwd.cu").write_text('#include "flash_common.cuh"\n#include "nowhere.cuh"\n')
+    monkeypatch.setattr(compiler, "kernel_dir", lambda: tmp_path)
+    compiler.source.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match=r"flash_fwd.cu:2: included 'nowhere.cuh'"):
+            compiler.source("fwd")
+    finally:
+        compiler.source.cache_clear()

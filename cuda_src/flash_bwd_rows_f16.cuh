@@ -1,0 +1,196 @@
+// flash_bwd_rows_f16.cuh -- the kernels of the float16/bfloat16 backward that
+// surround its dK/dV kernel, shared by both versions of that kernel
+// (flash_bwd_f16.cu's mma.sync one and flash_bwd_sm90.cu's wgmma one):
+//   flash_bwd_preprocess  Di = rowsum(dOi o Oi) and Li*log2(e) into a float32
+//                         workspace; zeroes the dQ accumulator.
+//   flash_bwd_dq_kernel   deterministic dQ: one block per query tile Qi
+//                         (outer loop) recomputes Pij, dSij and sums dSij Kj
+//                         in a fixed order, all in registers.
+//   flash_bwd_convert_dq  rounds the float32 dQ accumulator into dq (strided).
+// and dq_add_pair, the float32 atomics by which a dK/dV kernel adds dQi.
+// The algorithm and its names are described in flash_bwd_f16.cu.
+//
+// Tile layout (dq): DQ_WARPS warps of 16 query rows, DQ_BC keys a step; dSij
+// feeds dSij Kj straight from the C fragments.
+
+#pragma once
+#include "flash_common_f16.cuh"
+
+constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for the dq kernel
+
+#define DQ_WARPS 4
+#define DQ_THREADS (DQ_WARPS * WARP_SIZE)
+#define DQ_BR (16 * DQ_WARPS)
+#ifndef DQ_BC
+#if HEAD_DIM > 128
+#define DQ_BC 32
+#else
+#define DQ_BC 64
+#endif
+#endif
+static_assert(DQ_BC % 16 == 0, "dq key tile is a whole number of 16-wide k steps");
+
+// ------------------------------------------------------------- preprocess
+// Di, Li * log2(e) and the zeroed dQ accumulator (preprocess_rows).
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int H, int Nq,
+                     int D, i64 total_rows, i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn,
+                     i64 l_sb, i64 l_sh, i64 l_sn) {
+    preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, H, Nq, D, total_rows, do_sb, do_sh, do_sn, o_sb, o_sh, o_sn,
+                    l_sb, l_sh, l_sn, [](elem_t x) { return to_float(x); });
+}
+
+// Add a pair (d, d+1) of one dQ row into the float32 accumulator.
+__device__ __forceinline__ void dq_add_pair(float *row, int d, int D, float x0, float x1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if ((D & 1) == 0 && d + 1 < D) {  // 8-byte aligned pair: one vector atomic
+        atomicAdd(reinterpret_cast<float2 *>(row + d), make_float2(x0, x1));
+        return;
+    }
+#endif
+    if (d < D) atomicAdd(row + d, x0);
+    if (d + 1 < D) atomicAdd(row + d + 1, x1);
+}
+
+// ------------------------------------------------------- deterministic dQ
+extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)
+flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
+                    const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,
+                    elem_t *__restrict__ dQ, const void *__restrict__ mask, const int *__restrict__ key_lengths,
+                    int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
+                    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
+                    i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
+                    int band_hi, int vec) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [DQ_BR][LDH]
+    elem_t *dOi = Qi + DQ_BR * LDH;                     // [DQ_BR][LDH]
+    elem_t *Kj = dOi + DQ_BR * LDH;                     // [DQ_BC][LDH]
+    elem_t *Vj = Kj + DQ_BC * LDH;                      // [DQ_BC][LDH]
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane >> 2, t = lane & 3;
+    const int h = blockIdx.y, b = blockIdx.z, H = gridDim.y;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
+    const int row_w = 16 * warp;
+
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+    mp.nq = Nq;
+    const char *mask_bh = mask_head_base(mp, b, h);
+    const i64 row_base = ((i64)b * H + h) * Nq;
+
+    const int q_last = min(q0 + DQ_BR, Nq) - 1;
+    const int j_begin = max(0, q0 + band_lo);
+    const int j_end = min(mp.kl, q_last + band_hi + 1);
+    const int tc_begin = j_begin / DQ_BC;
+    const int tc_end = (j_end > j_begin) ? (j_end + DQ_BC - 1) / DQ_BC : tc_begin;
+
+    // Row statistics of this thread's rows g and g+8.
+    float l2[2], di[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        l2[r] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+        di[r] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+    }
+
+    float dq_acc[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+
+    if (tc_begin < tc_end) {
+        load_tile_h<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
+        load_tile_h<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+    }
+    for (int tc = tc_begin; tc < tc_end; ++tc) {
+        const int k0 = tc * DQ_BC;
+        load_tile_h<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_h<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        // Qi, dOi, Kj, Vj are in shared memory for every thread.
+        __syncthreads();
+
+        // Sij = Qi Kj^T, dPij = dOi Vj^T (16 x DQ_BC per warp).
+        float s[DQ_BC / 8][4], dp[DQ_BC / 8][4];
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll kDqKsUnroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {  // (zero-filled columns past D add nothing)
+            u32 aq[4], ado[4];
+            load_a(aq, Qi, LDH, row_w, 16 * ks, lane);
+            load_a(ado, dOi, LDH, row_w, 16 * ks, lane);
+#pragma unroll
+            for (int np = 0; np < DQ_BC / 16; ++np) {
+                u32 bk[4], bv[4];
+                load_b_nk(bk, Kj, LDH, 16 * np, 16 * ks, lane);
+                load_b_nk(bv, Vj, LDH, 16 * np, 16 * ks, lane);
+                mma16816(s[2 * np], aq, bk[0], bk[1]);
+                mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
+                mma16816(dp[2 * np], ado, bv[0], bv[1]);
+                mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
+            }
+        }
+
+        // dSij = Pij o (dPij - Di), kept in registers (C layout).
+        const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC);
+#pragma unroll
+        for (int n = 0; n < DQ_BC / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const int i = q0 + row_w + g + 8 * r, j = k0 + 8 * n + 2 * t + (e & 1);
+                const float x = need_mask ? masked_score(s[n][e], scale_log2, mp, mask_bh, i, j)
+                                          : s[n][e] * scale_log2;
+                const float p = (l2[r] == NEG_INF) ? 0.f : exp2_fast(x - l2[r]);
+                s[n][e] = p * (dp[n][e] - di[r]);
+            }
+        }
+
+        // dQi += dSij Kj, dSij rounded to elem_t straight from the C fragments.
+#pragma unroll
+        for (int kk = 0; kk < DQ_BC / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int np = 0; np < HEAD_DIM / 16; ++np) {
+                u32 bk[4];
+                load_b_kn(bk, Kj, LDH, 16 * np, 16 * kk, lane);
+                mma16816(dq_acc[2 * np], a, bk[0], bk[1]);
+                mma16816(dq_acc[2 * np + 1], a, bk[2], bk[3]);
+            }
+        }
+        // Every warp is done with Kj and Vj before the next tile overwrites them.
+        __syncthreads();
+    }
+
+    elem_t *dQg = dQ + (i64)b * dq_sb + (i64)h * dq_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = q0 + row_w + g + 8 * r;
+        if (i < Nq) {
+#pragma unroll
+            for (int n = 0; n < HEAD_DIM / 8; ++n)
+                store_pair(dQg + (i64)i * dq_sn, 8 * n + 2 * t, D, scale * dq_acc[n][2 * r],
+                           scale * dq_acc[n][2 * r + 1], vec);
+        }
+    }
+}
+
+// --------------------------------------------------------------- convert dQ
+// dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled), rounded.
+extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int H, int Nq, int D, i64 total_rows,
+                     i64 dq_sb, i64 dq_sh, i64 dq_sn, int vec) {
+    convert_dq_rows(dQacc, dQ, H, Nq, D, total_rows, dq_sb, dq_sh, dq_sn,
+                    [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, vec); });
+}
