@@ -34,20 +34,16 @@
 
 #include "flash_common.cuh"
 
-// Tile sizes come from pycudaflash.compiler (-D); these defaults match it.
-#define BWD_WARPS 8
+// Tile sizes come from pycudaflash.compiler (-D), the one place they are chosen.
+#ifndef BWD_WARPS
+#error "BWD_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define BWD_THREADS (BWD_WARPS * WARP_SIZE)
 #ifndef BWD_BR
-#if HEAD_DIM > 128
-#define BWD_BR 32
-#define BWD_BC 32
-#elif HEAD_DIM > 64
-#define BWD_BR 64
-#define BWD_BC 64
-#else
-#define BWD_BR 32
-#define BWD_BC 64
+#error "BWD_BR must be defined (pycudaflash.compiler.defines)"
 #endif
+#ifndef BWD_BC
+#error "BWD_BC must be defined (pycudaflash.compiler.defines)"
 #endif
 #define LD_S (BWD_BC + SMEM_PAD)
 
@@ -66,15 +62,13 @@ static_assert(SW_M * SW_N == BWD_WARPS && NT_S * 8 * SW_N == BWD_BC, "Sij warp g
 static_assert(KW_M * KW_N == BWD_WARPS && NT_KV * 8 * KW_N == HEAD_DIM, "dKj warp grid covers the tile");
 static_assert(QW_M * QW_N == BWD_WARPS && NT_Q * 8 * QW_N == HEAD_DIM, "dQi warp grid covers the tile");
 
-#define DQ_WARPS 4
+#ifndef DQ_WARPS
+#error "DQ_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define DQ_THREADS (DQ_WARPS * WARP_SIZE)
 #define DQ_BR (16 * DQ_WARPS)
 #ifndef DQ_BC
-#if HEAD_DIM > 128
-#define DQ_BC 32
-#else
-#define DQ_BC 64
-#endif
+#error "DQ_BC must be defined (pycudaflash.compiler.defines)"
 #endif
 static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0 && DQ_BC % 8 == 0, "tiles are whole mma tiles");
 
@@ -116,24 +110,17 @@ flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, 
     const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
     const int k0 = blockIdx.z * BWD_BC;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const float *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
     const float *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
     const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
 
-    // Query rows that see any key of this tile: [i_begin, i_end).
-    const int k_last = min(k0 + BWD_BC, mp.kl) - 1;
-    const int i_begin = max(0, k0 - band_hi);
-    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
-    const int tr_begin = i_begin / BWD_BR;
-    const int tr_end = (i_end > i_begin) ? (i_end + BWD_BR - 1) / BWD_BR : tr_begin;
+    // Query tiles with a row that sees any key of this tile.
+    const TileRange qt = query_tiles(k0, BWD_BC, Nq, mp.kl, band_lo, band_hi, BWD_BR);
+    const int tr_begin = qt.begin, tr_end = qt.end;
 
     // Warp tiles.
     const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);
@@ -285,20 +272,13 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
     const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
     const int row_w = 16 * warp;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
     const i64 row_base = ((i64)b * H + h) * Nq;
 
-    const int q_last = min(q0 + DQ_BR, Nq) - 1;
-    const int j_begin = max(0, q0 + band_lo);
-    const int j_end = min(mp.kl, q_last + band_hi + 1);
-    const int tc_begin = j_begin / DQ_BC;
-    const int tc_end = (j_end > j_begin) ? (j_end + DQ_BC - 1) / DQ_BC : tc_begin;
+    const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, band_lo, band_hi, DQ_BC);
+    const int tc_begin = kt.begin, tc_end = kt.end;
 
     // Row statistics of this thread's rows g and g+8.
     float l2[2], di[2];

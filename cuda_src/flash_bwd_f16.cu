@@ -42,23 +42,15 @@
 
 #include "flash_bwd_rows_f16.cuh"
 
-#define BWD_WARPS 8
+#ifndef BWD_WARPS
+#error "BWD_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define BWD_THREADS (BWD_WARPS * WARP_SIZE)
 #ifndef BWD_BR
-#if HEAD_DIM <= 64
-#define BWD_BR 128
-#elif HEAD_DIM > 192
-#define BWD_BR 32
-#else
-#define BWD_BR 64
-#endif
+#error "BWD_BR must be defined (pycudaflash.compiler.defines)"
 #endif
 #ifndef BWD_BC
-#if HEAD_DIM > 128
-#define BWD_BC 64
-#else
-#define BWD_BC 128
-#endif
+#error "BWD_BC must be defined (pycudaflash.compiler.defines)"
 #endif
 #define LDS (BWD_BC + SMEM_PAD_H)  // row stride of Pij, dSij
 
@@ -140,24 +132,17 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
     const int k0 = blockIdx.z * BWD_BC;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
     const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
     const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
 
-    // Query rows that see any key of this tile: [i_begin, i_end).
-    const int k_last = min(k0 + BWD_BC, mp.kl) - 1;
-    const int i_begin = max(0, k0 - band_hi);
-    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
-    const int tr_begin = i_begin / BWD_BR;
-    const int tr_end = (i_end > i_begin) ? (i_end + BWD_BR - 1) / BWD_BR : tr_begin;
+    // Query tiles with a row that sees any key of this tile.
+    const TileRange qt = query_tiles(k0, BWD_BC, Nq, mp.kl, band_lo, band_hi, BWD_BR);
+    const int tr_begin = qt.begin, tr_end = qt.end;
 
     // Warp tiles.
     const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);

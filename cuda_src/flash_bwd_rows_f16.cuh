@@ -18,15 +18,13 @@
 
 constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;  // the same for the dq kernel
 
-#define DQ_WARPS 4
+#ifndef DQ_WARPS
+#error "DQ_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define DQ_THREADS (DQ_WARPS * WARP_SIZE)
 #define DQ_BR (16 * DQ_WARPS)
 #ifndef DQ_BC
-#if HEAD_DIM > 128
-#define DQ_BC 32
-#else
-#define DQ_BC 64
-#endif
+#error "DQ_BC must be defined (pycudaflash.compiler.defines)"
 #endif
 static_assert(DQ_BC % 16 == 0, "dq key tile is a whole number of 16-wide k steps");
 
@@ -74,20 +72,13 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
     const int row_w = 16 * warp;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
     const i64 row_base = ((i64)b * H + h) * Nq;
 
-    const int q_last = min(q0 + DQ_BR, Nq) - 1;
-    const int j_begin = max(0, q0 + band_lo);
-    const int j_end = min(mp.kl, q_last + band_hi + 1);
-    const int tc_begin = j_begin / DQ_BC;
-    const int tc_end = (j_end > j_begin) ? (j_end + DQ_BC - 1) / DQ_BC : tc_begin;
+    const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, band_lo, band_hi, DQ_BC);
+    const int tc_begin = kt.begin, tc_end = kt.end;
 
     // Row statistics of this thread's rows g and g+8.
     float l2[2], di[2];

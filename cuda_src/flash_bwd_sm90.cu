@@ -41,7 +41,7 @@
 #include "flash_common_sm90.cuh"
 
 #ifndef B90_WGS
-#define B90_WGS 2
+#error "B90_WGS must be defined (pycudaflash.compiler.defines)"
 #endif
 #define B90_THREADS (B90_WGS * WG_THREADS)
 
@@ -49,7 +49,7 @@
 // ================================================ head dim <= 128: dKj, dVj in registers
 #define B90_BC (64 * B90_WGS)
 #ifndef B90_BR
-#define B90_BR 64
+#error "B90_BR must be defined (pycudaflash.compiler.defines)"
 #endif
 #define SD_STEPS (HEAD_DIM / 16)   // k steps of Sij^T, dPij^T (over the head dim)
 #define ST_REGS (B90_BR / 2)       // Sij^T, dPij^T floats per thread
@@ -159,24 +159,18 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
     const int k0 = blockIdx.z * B90_BC;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
     const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
     const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
 
-    // Query rows that see any key of this tile: [i_begin, i_end).
-    const int k_last = min(k0 + B90_BC, mp.kl) - 1;
-    const int i_begin = max(0, k0 - band_hi);
-    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
-    const int tr_begin = i_begin / B90_BR;
-    const int n_q = (i_end > i_begin) ? (i_end + B90_BR - 1) / B90_BR - tr_begin : 0;
+    // Query tiles with a row that sees any key of this tile.
+    const TileRange qt = query_tiles(k0, B90_BC, Nq, mp.kl, band_lo, band_hi, B90_BR);
+    const int tr_begin = qt.begin, n_q = qt.end - qt.begin;
+    const int k_last = min(k0 + B90_BC, mp.kl) - 1;  // (last key of this tile)
 
     // Shared addresses of the operands.
     const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
@@ -373,7 +367,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
 #define B90_BC 64
 #ifndef B90_BR
-#define B90_BR 64
+#error "B90_BR must be defined (pycudaflash.compiler.defines)"
 #endif
 #define SD_STEPS (HEAD_DIM / 16)      // k steps of Sij, dPij (over the head dim)
 #define KV_N 128                      // dKj, dVj columns computed per warpgroup
@@ -492,24 +486,17 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
     const int k0 = blockIdx.z * B90_BC;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
     const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
     const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
 
-    // Query rows that see any key of this tile: [i_begin, i_end).
-    const int k_last = min(k0 + B90_BC, mp.kl) - 1;
-    const int i_begin = max(0, k0 - band_hi);
-    const int i_end = (k_last >= k0) ? min(Nq, k_last - band_lo + 1) : i_begin;
-    const int tr_begin = i_begin / B90_BR;
-    const int n_q = (i_end > i_begin) ? (i_end + B90_BR - 1) / B90_BR - tr_begin : 0;
+    // Query tiles with a row that sees any key of this tile.
+    const TileRange qt = query_tiles(k0, B90_BC, Nq, mp.kl, band_lo, band_hi, B90_BR);
+    const int tr_begin = qt.begin, n_q = qt.end - qt.begin;
 
     const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
     const u32 p_addr = smem_addr(Ps), ds_addr = smem_addr(dSs);

@@ -28,7 +28,7 @@
 #error "HEAD_DIM must be defined"
 #endif
 #ifndef MASK_MODE
-#define MASK_MODE 0
+#error "MASK_MODE must be defined (pycudaflash.compiler.defines)"
 #endif
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM >= 32 && HEAD_DIM <= 256,
@@ -47,7 +47,9 @@ typedef long long i64;
 #define TF32_HALF_ULP 0x00001000u  // half a TF32 ulp, in float bit units
 // Shared-memory row padding (floats): row strides = 4 (mod 32) words keep
 // every fragment access pattern used here free of bank conflicts.
-#define SMEM_PAD 4
+#ifndef SMEM_PAD
+#error "SMEM_PAD must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define LD_HEAD (HEAD_DIM + SMEM_PAD)
 
 // ---------------------------------------------------------------- 3xTF32 mma
@@ -213,6 +215,48 @@ struct MaskParams {
     int nq;                  // rows i >= nq do not exist
 };
 
+// The masking rules of a call for one (batch, head): band, key length kl
+// (see key_length) and dense mask.
+__device__ __forceinline__ MaskParams mask_params(const void *mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                                                  int band_lo, int band_hi, int kl, int nq) {
+    MaskParams mp;
+    mp.mask = mask;
+    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
+    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.kl = kl;
+    mp.nq = nq;
+    return mp;
+}
+
+// Keys of batch element b: key_lengths[b] clamped to [0, Nk], or Nk without key lengths.
+__device__ __forceinline__ int key_length(const int *key_lengths, int b, int Nk) {
+    return key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
+}
+
+// Tiles [begin, end) along one axis of the score matrix.
+struct TileRange {
+    int begin, end;
+};
+
+// Key tiles (of bc keys) that any of the query rows [q0, q0 + rows) may see
+// under the band (band_lo, band_hi), key length kl and nq rows.
+__device__ __forceinline__ TileRange key_tiles(int q0, int rows, int nq, int kl, int band_lo, int band_hi, int bc) {
+    const int q_last = min(q0 + rows, nq) - 1;
+    const int j_begin = max(0, q0 + band_lo);
+    const int j_end = min(kl, q_last + band_hi + 1);
+    const int begin = j_begin / bc;
+    return {begin, (j_end > j_begin) ? (j_end + bc - 1) / bc : begin};
+}
+
+// Query tiles (of br rows) with a row that may see any of the keys [k0, k0 + cols).
+__device__ __forceinline__ TileRange query_tiles(int k0, int cols, int nq, int kl, int band_lo, int band_hi, int br) {
+    const int k_last = min(k0 + cols, kl) - 1;
+    const int i_begin = max(0, k0 - band_hi);
+    const int i_end = (k_last >= k0) ? min(nq, k_last - band_lo + 1) : i_begin;
+    const int begin = i_begin / br;
+    return {begin, (i_end > i_begin) ? (i_end + br - 1) / br : begin};
+}
+
 // Does the band + key length + row range hide any element of the tile
 // [i0, i0 + rows) x [j0, j0 + cols)?  (A dense mask is always applied.)
 __device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
@@ -251,10 +295,15 @@ __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int 
 // ------------------------------------------------- backward row kernels
 // The preprocess and dQ conversion kernels of the backward work on rows of
 // (B, H, Nq): PRE_ROWS consecutive rows per warp (a lane's loads for all of
-// them issued together), PRE_THREADS threads a block.  The host's PRE_ROWS
-// and PRE_WARPS in cuda_backend.py mirror these.
-#define PRE_ROWS 4
-#define PRE_THREADS 256
+// them issued together), PRE_WARPS warps a block (both from the compiler,
+// which sizes their grids by them too).
+#ifndef PRE_ROWS
+#error "PRE_ROWS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
+#ifndef PRE_WARPS
+#error "PRE_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
+#define PRE_THREADS (PRE_WARPS * WARP_SIZE)
 
 // First row of this warp's PRE_ROWS.
 __device__ __forceinline__ i64 warp_first_row() {

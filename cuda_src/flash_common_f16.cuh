@@ -26,7 +26,7 @@
 #include <cuda_bf16.h>
 
 #ifndef ELEM_BF16
-#define ELEM_BF16 0
+#error "ELEM_BF16 must be defined (pycudaflash.compiler.defines)"
 #endif
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a whole number of 16-wide k steps");
 
@@ -38,16 +38,19 @@ typedef __half elem_t;
 #define MMA_ELEM "f16"
 #endif
 
-// sm_8x allocates registers differently: there the loops over the head dim
-// are unrolled less (no software pipelining of the fragment loads), which keeps
-// every variant free of local-memory spills; sm_90 gets the full schedule.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define LEAN_REGISTERS 1
-#else
-#define LEAN_REGISTERS 0
+// LEAN_REGISTERS (set by pycudaflash.compiler per architecture: 1 before
+// sm_90): sm_8x allocates registers differently, so there the loops over the
+// head dim are unrolled less (no software pipelining of the fragment loads),
+// which keeps every variant free of local-memory spills; sm_90 gets the full
+// schedule.
+#ifndef LEAN_REGISTERS
+#error "LEAN_REGISTERS must be defined (pycudaflash.compiler.defines)"
 #endif
 
-#define SMEM_PAD_H 8                        // elements of padding per shared row
+// SMEM_PAD_H: elements of padding per shared row.
+#ifndef SMEM_PAD_H
+#error "SMEM_PAD_H must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define LDH (HEAD_DIM + SMEM_PAD_H)         // row stride of [rows][HEAD_DIM] tiles
 #define ELEMS_PER_16B 8
 

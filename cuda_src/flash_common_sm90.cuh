@@ -19,12 +19,21 @@
 #include "flash_common_f16.cuh"
 #include "flash_wgmma.cuh"
 
-#define SWZ_COLS 64                                 // columns of one swizzle block (128 bytes)
+// SWZ_COLS: columns of one swizzle block (128 bytes).
+#ifndef SWZ_COLS
+#error "SWZ_COLS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define SWZ_ROW_BYTES 128
-#define SMEM_ALIGN 1024                             // swizzle pattern period (8 rows of 128 bytes)
+// SMEM_ALIGN: swizzle pattern period (8 rows of 128 bytes).
+#ifndef SMEM_ALIGN
+#error "SMEM_ALIGN must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 #define HD_ATOMS ((HEAD_DIM + SWZ_COLS - 1) / SWZ_COLS)
 #define HDP (HD_ATOMS * SWZ_COLS)                   // head dim as stored (whole swizzle blocks)
-#define WG_THREADS 128                              // threads of a warpgroup
+// WG_THREADS: threads of a warpgroup.
+#ifndef WG_THREADS
+#error "WG_THREADS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
 
 // The dynamic shared memory rounded up to the swizzle period (the launcher
 // allocates SMEM_ALIGN bytes of slack).

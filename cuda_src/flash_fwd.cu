@@ -28,16 +28,14 @@
 
 #include "flash_common.cuh"
 
-#define FWD_WARPS 4
+#ifndef FWD_WARPS
+#error "FWD_WARPS must be defined (pycudaflash.compiler.defines)"
+#endif
 #define FWD_THREADS (FWD_WARPS * WARP_SIZE)
 #define BR (16 * FWD_WARPS)
 // The key tile comes from pycudaflash.compiler (-D BC); this default matches it.
 #ifndef BC
-#if HEAD_DIM > 128
-#define BC 32
-#else
-#define BC 64
-#endif
+#error "BC must be defined (pycudaflash.compiler.defines)"
 #endif
 
 static_assert(BR == 16 * FWD_WARPS, "one warp per 16 query rows");
@@ -73,24 +71,17 @@ flash_fwd_kernel(const float *__restrict__ Q, const float *__restrict__ K, const
     // Launch the last query tiles first: under a causal mask they are the longest.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.kl = key_lengths ? min(max(key_lengths[b], 0), Nk) : Nk;
-    mp.nq = Nq;
+    const MaskParams mp =
+        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const float *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
     const float *Kg = K + (i64)b * k_sb + (i64)h * k_sh;
     const float *Vg = V + (i64)b * v_sb + (i64)h * v_sh;
 
-    // Keys any row of this tile may see: [j_begin, j_end).
-    const int q_last = min(q0 + BR, Nq) - 1;
-    const int j_begin = max(0, q0 + band_lo);
-    const int j_end = min(mp.kl, q_last + band_hi + 1);
-    const int tc_begin = j_begin / BC;
-    const int tc_end = (j_end > j_begin) ? (j_end + BC - 1) / BC : tc_begin;
+    // Keys any row of this tile may see.
+    const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, band_lo, band_hi, BC);
+    const int tc_begin = kt.begin, tc_end = kt.end;
 
     // Per-thread state for rows r = 0 (row g) and r = 1 (row g + 8) of the warp.
     float o_acc[O_TILES][4];

@@ -42,12 +42,9 @@
 
 #include "flash_common_sm90.cuh"
 
+// Keys per step (Bc):
 #ifndef BC
-#if HEAD_DIM <= 128
-#define BC 128
-#else
-#define BC 64
-#endif
+#error "BC must be defined (pycudaflash.compiler.defines)"
 #endif
 // Overlap the softmax of Sj with O += P(j-1) V(j-1) (keeps P(j-1) live
 // through the softmax: off where a dense mask's addressing needs the registers).
@@ -63,16 +60,18 @@
 #ifndef FWD_FOLD
 #define FWD_FOLD (HEAD_DIM <= 128)
 #endif
+// Warpgroups of 64 query rows each per block:
 #ifndef FWD_WGS
-#define FWD_WGS 2  // warpgroups of 64 query rows each
+#error "FWD_WGS must be defined (pycudaflash.compiler.defines)"
 #endif
 // Persistent blocks: a block runs jobs until none are left, loading the next
 // job's first tiles under the current one's last product (see the kernel).
 #ifndef FWD_PERSIST
-#define FWD_PERSIST 0
+#error "FWD_PERSIST must be defined (pycudaflash.compiler.defines)"
 #endif
+// Blocks per SM the registers must allow:
 #ifndef FWD_MINB
-#define FWD_MINB 1  // blocks per SM the registers must allow
+#error "FWD_MINB must be defined (pycudaflash.compiler.defines)"
 #endif
 #define FWD_THREADS (FWD_WGS * WG_THREADS)
 #define BR (64 * FWD_WGS)
@@ -212,12 +211,10 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
     jb.h = blockIdx.y;
     jb.b = blockIdx.z;
 #endif
-    jb.kl = key_lengths ? min(max(key_lengths[jb.b], 0), Nk) : Nk;
-    const int q_last = min(jb.q0 + BR, Nq) - 1;
-    const int j_begin = max(0, jb.q0 + band_lo);
-    const int j_end = min(jb.kl, q_last + band_hi + 1);
-    jb.tc_begin = j_begin / BC;
-    jb.n_tiles = (j_end > j_begin) ? (j_end + BC - 1) / BC - jb.tc_begin : 0;
+    jb.kl = key_length(key_lengths, jb.b, Nk);
+    const TileRange kt = key_tiles(jb.q0, BR, Nq, jb.kl, band_lo, band_hi, BC);
+    jb.tc_begin = kt.begin;
+    jb.n_tiles = kt.end - kt.begin;
     return jb;
 }
 
@@ -248,11 +245,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int g = lane >> 2, t = lane & 3;
     const int n_qt = (Nq + BR - 1) / BR;
 
-    MaskParams mp;
-    mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
-    mp.nq = Nq;
+    MaskParams mp = mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, Nk, Nq);  // (kl: per job)
 
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).

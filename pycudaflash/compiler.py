@@ -5,9 +5,13 @@ This module is the only place that knows how a kernel variant is built:
 * a *variant* is one pass (:data:`PASSES`: ``'fwd'``/``'bwd'`` for float32,
   ``'*_f16'`` for float16/bfloat16 with ``mma.sync``, ``'*_sm90'`` for
   float16/bfloat16 with Hopper's ``wgmma``) plus its ``-D`` defines (head-dim
-  bucket, mask mode, dtype, tile sizes);
-* its source is the pass's ``.cu`` file with the headers it ``#include``\ s
-  from ``cuda_src/`` inlined (:func:`source`), so that PyCUDA's disk cache,
+  bucket, mask mode, dtype, tile sizes: :func:`defines`) and the layout
+  constants every variant shares (:data:`LAYOUT`); the kernels define none
+  of these themselves (``#error`` where one is missing);
+* the launch code packs each kernel's parameters by the types in its
+  signature (:func:`parameter_format`);
+* its source is the pass's ``.cu`` file with the ``cuda_src/`` headers it
+  includes inlined (:func:`source`), so that PyCUDA's disk cache,
   keyed on the text, notices an edit in any of them;
 * it is compiled to a cubin by PyCUDA's ``compile`` with ``no_extern_c=True``
   for the current device's architecture (``sm_90a`` for the ``*_sm90``
@@ -91,11 +95,15 @@ MASK_MODES = {"none": 0, "bool": 1, "float": 2}
 #: Options for every kernel (the architecture is added per device).
 NVCC_OPTIONS = ("-O3", "-std=c++17")
 
-FWD_WARPS = 4  # float32 forward
-BWD_WARPS = 8
-DQ_WARPS = 4
-SMEM_PAD = 4  # floats of padding per shared-memory row (see flash_common.cuh)
-SMEM_PAD_H = 8  # 16-bit elements of padding per row (see flash_common_f16.cuh)
+# Layout constants shared by the kernels and the launch code; :data:`LAYOUT` hands them to
+# every variant as -D (the kernels #error without them).
+FWD_WARPS = 4  # float32 forward (a tile size of the 16-bit forward: Tiles.fwd_warps)
+BWD_WARPS = 8  # dK/dV kernel (float32 and mma.sync)
+DQ_WARPS = 4  # deterministic dQ kernel
+PRE_ROWS = 4  # rows per warp of the backward's preprocess and dQ conversion kernels
+PRE_WARPS = 8  # warps per block of those kernels
+SMEM_PAD = 4  # floats of padding per shared-memory row (float32 kernels)
+SMEM_PAD_H = 8  # 16-bit elements of padding per row (mma.sync kernels)
 FLOAT_BYTES = 4
 HALF_BYTES = 2
 
@@ -281,6 +289,10 @@ def _parse_tile_spec(spec: str) -> Dict[str, Dict[str, int]]:
 
 SWZ_COLS = 64  # columns of a 128-byte swizzle block (Hopper kernels)
 SMEM_ALIGN = 1024  # alignment slack of the swizzled tiles
+#: The layout constants above, as every variant's kernels receive them.
+LAYOUT: Dict[str, int] = dict(BWD_WARPS=BWD_WARPS, DQ_WARPS=DQ_WARPS, PRE_ROWS=PRE_ROWS, PRE_WARPS=PRE_WARPS,
+                              SMEM_PAD=SMEM_PAD, SMEM_PAD_H=SMEM_PAD_H, SWZ_COLS=SWZ_COLS, SMEM_ALIGN=SMEM_ALIGN,
+                              WG_THREADS=WG_THREADS)
 
 
 def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None,
@@ -340,6 +352,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind]}
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
+        out["LEAN_REGISTERS"] = int(_lean(arch))  # (the register budget class of the architecture)
     if pass_ == "fwd_sm90":
         if not t.fwd90_bc:
             raise ValueError(f"pass {pass_!r} has no tiles for arch {arch}")
@@ -359,9 +372,9 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         wgs = t.bwd90_wgs if (mask_kind == "none" and head_dim <= 128) else min(t.bwd90_wgs, 2)
         out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
     elif pass_.startswith("fwd"):
-        out["BC"] = t.fwd_bc
+        out.update(BC=t.fwd_bc, FWD_WARPS=t.fwd_warps)
         if half:
-            out.update(FWD_WARPS=t.fwd_warps, FWD_MT=t.fwd_mt)
+            out["FWD_MT"] = t.fwd_mt
     else:
         out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=t.dq_bc)
     return out
@@ -422,9 +435,44 @@ def _flatten(name: str, kdir: Path, seen: set) -> List[str]:
     return out
 
 
+#: Kernel parameter types and the format code :class:`pycudaflash.cuda_backend._Kernel` packs
+#: them by: a pointer, a 32-bit int, a 64-bit int, a float.
+_PARAM_CODES = (("*", "P"), ("i64", "q"), ("long long", "q"), ("int", "i"), ("float", "f"))
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_format(pass_: str, kernel: str) -> str:
+    """The packing format of ``kernel``'s parameters in pass ``pass_``, read from its signature
+    in the source (one code a parameter, see ``_PARAM_CODES``), so that the launch code and the
+    kernel cannot disagree.  A kernel defined more than once (one definition per ``#if``
+    branch) must have the same parameter types in each.
+    """
+    text = re.sub(r"//[^\n]*", "", source(pass_))
+    formats = set()
+    for m in re.finditer(r'extern\s+"C"\s+__global__[^;{]*?\b' + re.escape(kernel) + r"\s*\(", text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        params = [p.strip() for p in text[m.end():i - 1].split(",") if p.strip()]
+        codes = []
+        for p in params:
+            code = next((c for key, c in _PARAM_CODES if key in p), None)
+            if code is None:
+                raise ValueError(f"{pass_}/{kernel}: no packing code for parameter {p!r}")
+            codes.append(code)
+        formats.add("".join(codes))
+    if len(formats) != 1:
+        raise ValueError(f"{pass_}/{kernel}: {len(formats)} distinct signatures found in the source")
+    return formats.pop()
+
+
 def options(defs: Dict[str, int]) -> List[str]:
-    """nvcc options of a variant (without the architecture)."""
-    return list(NVCC_OPTIONS) + [f"-D{k}={v}" for k, v in sorted(defs.items())]
+    """nvcc options of a variant (without the architecture): its defines and :data:`LAYOUT`."""
+    both = set(defs) & set(LAYOUT)
+    if both:
+        raise ValueError(f"variant defines {sorted(both)} are layout constants")
+    return list(NVCC_OPTIONS) + [f"-D{k}={v}" for k, v in sorted({**LAYOUT, **defs}.items())]
 
 
 def cache_dir() -> str:

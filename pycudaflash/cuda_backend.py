@@ -264,6 +264,10 @@ class _Variant:
             n = self._resident[kernel] = compiler.resident_blocks(self.function(kernel), threads, self.smem(kernel))
         return n
 
+    def format(self, kernel: str) -> str:
+        """Packing format of ``kernel``'s parameters, read from its signature."""
+        return compiler.parameter_format(self.pass_, kernel)
+
     def function(self, kernel: str):
         """The kernel's CUfunction, its shared-memory limit raised to :meth:`smem`."""
         return compiler.get_function(self.pass_, self.defs, kernel, self.smem(kernel))
@@ -362,17 +366,14 @@ def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple
     off = ws.region(4 * total)
     blocks = max(1, min((total + 255) // 256, 132 * 16))
     conv = _Kernel("flash_convert_mask", var.function("flash_convert_mask"), (blocks, 1, 1), 256, 0,
-                   _MASK_CONVERT_FORMAT,
+                   var.format("flash_convert_mask"),
                    (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total))
     cs = c_strides(dims)
     return _Ref(ws_src, off), tuple(0 if st == 0 else c for st, c in zip(mask_strides, cs)), conv
 
 
-_FWD_FORMAT = "PPPPPPP" + "iii" + "q" * 19 + "f" + "iii"
-_FWD90_FORMAT = _FWD_FORMAT + "iiiP"  # + heads, jobs, log2 of the job group, job counter
 # L2 share for the Kj, Vj of one job group of the persistent forward
 _JOB_GROUP_BYTES = 16 << 20
-_MASK_CONVERT_FORMAT = "PP" + "qqq" + "qqqq" + "q"
 
 
 class _Plan:
@@ -450,7 +451,7 @@ class ForwardPlan(_Plan):
         kl = _Ref(self.KL)  # (0: no key lengths)
         main = _Kernel(
             "flash_fwd_kernel", fn, grid, threads, var.smem("flash_fwd_kernel"),
-            _FWD90_FORMAT if hopper else _FWD_FORMAT,
+            var.format("flash_fwd_kernel"),
             (_Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.O), _Ref(self.L), mask_ref, kl,
              Nq, Nk, D,
              *_three(strides["q"]), *_three(strides["k"]), *_three(strides["v"]), *_three(strides["out"]),
@@ -479,15 +480,6 @@ def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
     want = fixed if fixed > 0 else _JOB_GROUP_BYTES // (2 * prob.Nk * prob.D * itemsize)
     heads = min(want, bh & -bh)  # (bh & -bh: the largest power of two dividing bh)
     return max(heads, 1).bit_length() - 1
-
-
-_PRE_FORMAT = "PPPPPP" + "iii" + "q" + "q" * 9
-_DKDV_FORMAT = "PPPPPPPPPPP" + "iii" + "q" * 22 + "ff" + "iii"
-_DQ_FORMAT = "PPPPPPPPP" + "iii" + "q" * 19 + "ff" + "iii"
-_CONVERT_FORMAT = "PP" + "iii" + "q" + "qqq" + "i"
-# Rows per warp of the preprocess and dQ conversion kernels (PRE_ROWS in their .cu files).
-PRE_ROWS = 4
-PRE_WARPS = 8  # warps per block of those kernels
 
 
 class BackwardPlan(_Plan):
@@ -532,10 +524,11 @@ class BackwardPlan(_Plan):
         kernels = [conv] if conv is not None else []
 
         # 1. Di = rowsum(dO o O), Li*log2(e); the dQ accumulator zeroed.
-        row_blocks = ((rows + PRE_ROWS * PRE_WARPS - 1) // (PRE_ROWS * PRE_WARPS), 1, 1)
+        rows_per_block = compiler.PRE_ROWS * compiler.PRE_WARPS
+        row_blocks = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
         kernels.append(_Kernel(
-            "flash_bwd_preprocess", var.function("flash_bwd_preprocess"), row_blocks, 32 * PRE_WARPS, 0,
-            _PRE_FORMAT,
+            "flash_bwd_preprocess", var.function("flash_bwd_preprocess"), row_blocks, 32 * compiler.PRE_WARPS, 0,
+            var.format("flash_bwd_preprocess"),
             (do, _Ref(self.O), _Ref(self.L), d_ref, l2_ref, dqacc, H, Nq, D, rows, *st["dout"], *st["out"],
              *st["lse"])))
         # 2. dK, dV (and dQ by atomics): one block per key tile, grid (H, B, key tiles).
@@ -545,7 +538,7 @@ class BackwardPlan(_Plan):
                              f"got {Nk}")
         kernels.append(_Kernel(
             "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), (H, B, (Nk + keys - 1) // keys),
-            threads, var.smem("flash_bwd_dkdv_kernel"), _DKDV_FORMAT,
+            threads, var.smem("flash_bwd_dkdv_kernel"), var.format("flash_bwd_dkdv_kernel"),
             (q, k, v, do, d_ref, l2_ref, dqacc, _Ref(self.DK), _Ref(self.DV), mask_ref, kl,
              Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk"], *st["dv"], *mask_strides,
              scale_log2, scale, lo, hi, vec)))
@@ -554,14 +547,14 @@ class BackwardPlan(_Plan):
             kernels.append(_Kernel(
                 "flash_bwd_dq_kernel", var.function("flash_bwd_dq_kernel"),
                 ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), 32 * compiler.DQ_WARPS,
-                var.smem("flash_bwd_dq_kernel"), _DQ_FORMAT,
+                var.smem("flash_bwd_dq_kernel"), var.format("flash_bwd_dq_kernel"),
                 (q, k, v, do, d_ref, l2_ref, _Ref(self.DQ), mask_ref, kl,
                  Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dq"], *mask_strides,
                  scale_log2, scale, lo, hi, vec)))
         else:
             kernels.append(_Kernel(
-                "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * PRE_WARPS, 0,
-                _CONVERT_FORMAT, (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec)))
+                "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * compiler.PRE_WARPS, 0,
+                var.format("flash_bwd_convert_dq"), (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec)))
         self.kernels = kernels
         self.ws_bytes = ws.nbytes
         self.pass_ = var.pass_

@@ -65,8 +65,12 @@ def test_build_arch() -> None:
 
 def test_hopper_defines() -> None:
     d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
-    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "BC": 128, "FWD_WGS": 2, "FWD_MINB": 1,
-                 "FWD_PERSIST": 1}
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "LEAN_REGISTERS": 0, "BC": 128, "FWD_WGS": 2,
+                 "FWD_MINB": 1, "FWD_PERSIST": 1}
+    # The register budget class is the architecture's, decided in Python only.
+    assert compiler.defines("fwd_f16", 128, "none", "float16", "sm_80")["LEAN_REGISTERS"] == 1
+    assert compiler.defines("bwd_f16", 128, "none", "bfloat16", "sm_90")["LEAN_REGISTERS"] == 0
+    assert "LEAN_REGISTERS" not in compiler.defines("fwd", 128, "none", "float32", "sm_80")
     # Persistent forward blocks only where the job loop fits the registers.
     assert [compiler.defines("fwd_sm90", hd, "none", "float16", "sm_90")["FWD_PERSIST"]
             for hd in (64, 96, 128, 192, 256)] == [0, 1, 1, 0, 0]
@@ -190,3 +194,55 @@ def test_a_missing_include_is_named(tmp_path, monkeypatch) -> None:
             compiler.source("fwd")
     finally:
         compiler.source.cache_clear()
+
+
+def test_parameter_formats_are_read_from_the_kernel_signatures() -> None:
+    P, i, q, f = "P", "i", "q", "f"
+    fwd = P * 7 + i * 3 + q * 19 + f + i * 3
+    pre, convert, mask = P * 6 + i * 3 + q * 10, P * 2 + i * 3 + q * 4 + i, P * 2 + q * 8
+    dkdv, dq = P * 11 + i * 3 + q * 22 + f * 2 + i * 3, P * 9 + i * 3 + q * 19 + f * 2 + i * 3
+    expected = {
+        ("fwd", "flash_fwd_kernel"): fwd,
+        ("fwd_f16", "flash_fwd_kernel"): fwd,
+        ("fwd_sm90", "flash_fwd_kernel"): fwd + i * 3 + P,  # + heads, jobs, job group, job counter
+        ("fwd_f16", "flash_convert_mask"): mask,
+        ("fwd_sm90", "flash_convert_mask"): mask,
+    }
+    for p in ("bwd", "bwd_f16", "bwd_sm90"):
+        expected.update({(p, "flash_bwd_preprocess"): pre, (p, "flash_bwd_dkdv_kernel"): dkdv,
+                         (p, "flash_bwd_dq_kernel"): dq, (p, "flash_bwd_convert_dq"): convert})
+        if p != "bwd":
+            expected[(p, "flash_convert_mask")] = mask
+    for (p, kernel), fmt in expected.items():
+        assert compiler.parameter_format(p, kernel) == fmt, (p, kernel)
+    with pytest.raises(ValueError, match="0 distinct signatures"):
+        compiler.parameter_format("fwd", "flash_bwd_dkdv_kernel")
+
+
+def test_a_parameter_type_without_a_packing_code_is_refused(tmp_path, monkeypatch) -> None:
+    (tmp_path / "flash_common.cuh").write_text("// x\n")
+    (tmp_path / "flash_fwd.cu").write_text('extern "C" __global__ void __launch_bounds__(128, 1)\n'
+                                           "flash_fwd_kernel(const float *x, double y) {}\n")
+    monkeypatch.setattr(compiler, "kernel_dir", lambda: tmp_path)
+    compiler.source.cache_clear()
+    compiler.parameter_format.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="no packing code for parameter 'double y'"):
+            compiler.parameter_format("fwd", "flash_fwd_kernel")
+    finally:
+        compiler.source.cache_clear()
+        compiler.parameter_format.cache_clear()
+
+
+def test_every_define_a_kernel_requires_is_given() -> None:
+    """The kernels state no tile size, warp count or padding of their own: each is required
+    (``#ifndef X`` / ``#error``) and every variant's options give it."""
+    import re
+
+    for arch in ("sm_80", "sm_90"):
+        for pass_, defs in compiler.all_variants(arch=arch):
+            required = set(re.findall(r"#ifndef (\w+)\n#error", compiler.source(pass_)))
+            given = {o[2:].split("=")[0] for o in compiler.options(defs) if o.startswith("-D")}
+            assert required and required <= given, f"{pass_} {arch}: missing {required - given}"
+    with pytest.raises(ValueError, match="layout constants"):
+        compiler.options({"HEAD_DIM": 64, "BWD_WARPS": 4})
