@@ -34,11 +34,37 @@ def masked_scores(
     window: Any,
     mask: Any,
     key_lengths: Any,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Tuple[np.ndarray, float]:
     """Scaled, biased and masked scores ``S`` (B, H, Nq, Nk) and the scale.
 
-    Positions that may not be attended hold ``-inf``.
+    Positions that may not be attended hold ``-inf``.  ``score_mod`` (a
+    :class:`pycudaflash.mods.Modifier` or its source) replaces each score
+    after the bias; ``mask_mod`` excludes the positions where it is False.
     """
+    return _scores(q, k, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)[:2]
+
+
+def _modifier(m: Any, tensors: Any, role: str) -> Any:
+    """A Modifier of ``role`` from a Modifier or its source text (None stays None)."""
+    if m is None:
+        return None
+    from .mods import Modifier
+
+    if isinstance(m, Modifier):
+        if m.role != role:
+            raise ValueError(f"a {m.role}_mod was given as {role}_mod")
+        return m
+    return Modifier(m, tensors, role)
+
+
+def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, window: Any, mask: Any,
+            key_lengths: Any, score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None,
+            slope: bool = False) -> Tuple[np.ndarray, float, Optional[np.ndarray]]:
+    """:func:`masked_scores`, and with ``slope`` the derivative of the score
+    modifier at each (unmodified) score (None without a score modifier)."""
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError("q and k must have shape (B, H, N, D)")
     B, H, Nq, D = q.shape
@@ -81,8 +107,21 @@ def masked_scores(
     S *= s
     if bias is not None:
         S += bias
+    # Modifiers: the score replaced, positions excluded; b, h, i, j as broadcast grids.
+    smod, mmod = _modifier(score_mod, mod_tensors, "score"), _modifier(mask_mod, mod_tensors, "mask")
+    dmod = None
+    if smod is not None or mmod is not None:
+        pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
+                   i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :],
+                   tensors=mod_tensors)
+        if mmod is not None:
+            allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), (B, H, Nq, Nk))
+        if smod is not None:
+            if slope:
+                dmod = np.broadcast_to(smod.derivative().evaluate(S, **pos), S.shape)
+            S = np.array(np.broadcast_to(smod.evaluate(S, **pos), S.shape), dtype=np.float64)
     np.copyto(S, -np.inf, where=~allowed)
-    return S, s
+    return S, s, dmod
 
 
 def softmax_parts(S: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -116,6 +155,9 @@ def reference_forward(
     window: Any = None,
     mask: Any = None,
     key_lengths: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Attention forward pass in float64, without tiling.
 
@@ -137,6 +179,12 @@ def reference_forward(
         to the scaled scores, ``-inf`` allowed, ``+inf``/NaN not supported).
     key_lengths : int array of shape (B,), optional
         Key ``j`` of batch element ``b`` is masked when ``j >= key_lengths[b]``.
+    score_mod, mask_mod : str or pycudaflash.mods.Modifier, optional
+        Modifier expressions (:mod:`pycudaflash.mods`): ``score_mod``
+        replaces each scaled (and biased) score; ``mask_mod`` excludes the
+        positions where it is False.
+    mod_tensors : mapping of name to array, optional
+        The tensors the modifiers read.
 
     Returns
     -------
@@ -147,10 +195,7 @@ def reference_forward(
         no key.
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
-    S, _ = masked_scores(
-        q64, k64, scale=scale, causal=causal, window=window, mask=mask,
-        key_lengths=key_lengths,
-    )
+    S, _, _ = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
     P, lse = softmax_parts(S)
     # O = P V.
     out = np.matmul(P, v64)
@@ -168,6 +213,9 @@ def reference_backward(
     window: Any = None,
     mask: Any = None,
     key_lengths: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Attention backward pass in float64, recomputing the forward itself.
 
@@ -175,8 +223,9 @@ def reference_backward(
     ----------
     dout : array, shape (B, H, Nq, D)
         Gradient of the loss with respect to ``out``.
-    q, k, v, scale, causal, window, mask, key_lengths
-        As in :func:`reference_forward`.
+    q, k, v, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors
+        As in :func:`reference_forward`; the gradient through ``score_mod``
+        is its derivative with respect to the score (:mod:`pycudaflash.mods`).
 
     Returns
     -------
@@ -187,10 +236,8 @@ def reference_backward(
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
     dO = _as_f64(dout)
-    S, s = masked_scores(
-        q64, k64, scale=scale, causal=causal, window=window, mask=mask,
-        key_lengths=key_lengths,
-    )
+    S, s, dmod = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors,
+                         slope=True)
     # P = exp(S - lse), 0 on masked positions and on rows that see no key.
     P, _ = softmax_parts(S)
     O = np.matmul(P, v64)
@@ -200,8 +247,11 @@ def reference_backward(
     dP = np.matmul(dO, np.swapaxes(v64, -1, -2))
     # D_i = rowsum(dO * O).
     Di = np.sum(dO * O, axis=-1)
-    # dS = P * (dP - D_i).
+    # dS = P * (dP - D_i), times the score modifier's slope (nothing flows where dS is 0).
     dS = P * (dP - Di[..., None])
+    if dmod is not None:
+        with np.errstate(invalid="ignore"):
+            dS = np.where(dS == 0.0, 0.0, dS * dmod)
     # dQ = scale dS K, dK = scale dS^T Q.
     dq = s * np.matmul(dS, k64)
     dk = s * np.matmul(np.swapaxes(dS, -1, -2), q64)
