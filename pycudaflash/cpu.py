@@ -105,6 +105,31 @@ def _key_limit(nk: int, key_lengths: Optional[np.ndarray]) -> Tuple[int, int]:
     return min(nk, int(key_lengths.max())), int(key_lengths.min())
 
 
+def _keys_seen(B: int, H: int, Nq: int, Nk: int, bnd: Band, key_lengths: Optional[np.ndarray], kl_min: int,
+               mask: Optional[np.ndarray], Br: int, Bc: int) -> np.ndarray:
+    """(B, H, Nk) bool: whether any query row may see each key.  A key no row may see is
+    zeroed where it is loaded, so that a NaN or Inf stored in it changes nothing."""
+    seen = np.zeros((B, H, Nk), dtype=bool)
+    for j0 in range(0, Nk, Bc):
+        j1 = min(j0 + Bc, Nk)
+        lo, hi = bnd.query_range(j0, j1, Nq)
+        for i0 in _tile_starts(lo, hi, Br):
+            i1 = min(i0 + Br, Nq)
+            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask)
+            if allowed is None:
+                seen[:, :, j0:j1] = True
+                break
+            seen[:, :, j0:j1] |= np.broadcast_to(np.asarray(allowed).any(axis=-2), (B, H, j1 - j0))
+    return seen
+
+
+def _load_keys(x: np.ndarray, j0: int, j1: int, seen: np.ndarray) -> np.ndarray:
+    """Rows ``[j0, j1)`` of k or v in float32, zero where no query may see the key."""
+    tile = np.asarray(x[:, :, j0:j1, :], dtype=_F32)
+    part = seen[:, :, j0:j1]
+    return tile if part.all() else np.where(part[..., None], tile, _F32(0))
+
+
 def forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -156,6 +181,7 @@ def forward(
         key_lengths = np.asarray(key_lengths, dtype=np.int64).reshape(B)
     bnd = band(Nq, Nk, causal, window_left, window_right)
     kl_max, kl_min = _key_limit(Nk, key_lengths)
+    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc)
     Tr = -(-Nq // Br)
 
     for r in range(Tr):
@@ -171,9 +197,8 @@ def forward(
         hi = min(hi, kl_max)
         for j0 in _tile_starts(lo, hi, Bc):
             j1 = min(j0 + Bc, Nk)
-            # Load Kj, Vj.
-            Kj = np.asarray(k[:, :, j0:j1, :], dtype=_F32)
-            Vj = np.asarray(v[:, :, j0:j1, :], dtype=_F32)
+            # Load Kj, Vj (keys no query may see read as zeros).
+            Kj, Vj = _load_keys(k, j0, j1, key_seen), _load_keys(v, j0, j1, key_seen)
             # Sij = scale Qi Kj^T + bias, masked to -inf.
             allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask)
             Sij = _scores(Qi, Kj, scale, allowed, mask, i0, i1, j0, j1)
@@ -248,6 +273,7 @@ def backward(
         key_lengths = np.asarray(key_lengths, dtype=np.int64).reshape(B)
     bnd = band(Nq, Nk, causal, window_left, window_right)
     kl_max, kl_min = _key_limit(Nk, key_lengths)
+    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc)
     Tc = -(-Nk // Bc)
 
     # Preprocess: Di = rowsum(dOi * Oi) in float32.
@@ -261,9 +287,8 @@ def backward(
 
     for c in range(Tc):
         j0, j1 = c * Bc, min((c + 1) * Bc, Nk)
-        # Load Kj, Vj and zero dKj, dVj.
-        Kj = np.asarray(k[:, :, j0:j1, :], dtype=_F32)
-        Vj = np.asarray(v[:, :, j0:j1, :], dtype=_F32)
+        # Load Kj, Vj (keys no query may see read as zeros) and zero dKj, dVj.
+        Kj, Vj = _load_keys(k, j0, j1, key_seen), _load_keys(v, j0, j1, key_seen)
         dKj = np.zeros((B, H, j1 - j0, D), dtype=_F32)
         dVj = np.zeros((B, H, j1 - j0, D), dtype=_F32)
 

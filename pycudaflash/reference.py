@@ -62,9 +62,10 @@ def _modifier(m: Any, tensors: Any, role: str) -> Any:
 
 def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, window: Any, mask: Any,
             key_lengths: Any, score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None,
-            slope: bool = False) -> Tuple[np.ndarray, float, Optional[np.ndarray]]:
-    """:func:`masked_scores`, and with ``slope`` the derivative of the score
-    modifier at each (unmodified) score (None without a score modifier)."""
+            slope: bool = False) -> Tuple[np.ndarray, float, Optional[np.ndarray], np.ndarray]:
+    """:func:`masked_scores`, with ``slope`` the derivative of the score modifier at each
+    (unmodified) score (None without a score modifier), and whether any query may see each
+    key, (B, H, Nk)."""
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError("q and k must have shape (B, H, N, D)")
     B, H, Nq, D = q.shape
@@ -102,26 +103,29 @@ def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, w
         else:
             bias = np.broadcast_to(np.asarray(m, dtype=np.float64), (B, H, Nq, Nk))
 
-    # S = scale * Q K^T (+ bias), -inf where not allowed.
+    # Modifiers read b, h, i, j as broadcast grids; mask_mod excludes like the other conditions.
+    smod, mmod = _modifier(score_mod, mod_tensors, "score"), _modifier(mask_mod, mod_tensors, "mask")
+    pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
+               i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :], tensors=mod_tensors)
+    if mmod is not None:
+        allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), (B, H, Nq, Nk))
+    # A key no query may see is never read: zero it (a NaN or Inf stored there changes nothing).
+    seen = np.broadcast_to(allowed, (B, H, Nq, Nk)).any(axis=2)
+    if not seen.all():
+        k = np.where(seen[..., None], k, 0.0)
+
+    # S = scale * Q K^T (+ bias), the score modifier, -inf where not allowed.
     S = np.matmul(q, np.swapaxes(k, -1, -2))
     S *= s
     if bias is not None:
         S += bias
-    # Modifiers: the score replaced, positions excluded; b, h, i, j as broadcast grids.
-    smod, mmod = _modifier(score_mod, mod_tensors, "score"), _modifier(mask_mod, mod_tensors, "mask")
     dmod = None
-    if smod is not None or mmod is not None:
-        pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
-                   i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :],
-                   tensors=mod_tensors)
-        if mmod is not None:
-            allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), (B, H, Nq, Nk))
-        if smod is not None:
-            if slope:
-                dmod = np.broadcast_to(smod.derivative().evaluate(S, **pos), S.shape)
-            S = np.array(np.broadcast_to(smod.evaluate(S, **pos), S.shape), dtype=np.float64)
+    if smod is not None:
+        if slope:
+            dmod = np.broadcast_to(smod.derivative().evaluate(S, **pos), S.shape)
+        S = np.array(np.broadcast_to(smod.evaluate(S, **pos), S.shape), dtype=np.float64)
     np.copyto(S, -np.inf, where=~allowed)
-    return S, s, dmod
+    return S, s, dmod, seen
 
 
 def softmax_parts(S: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -195,10 +199,10 @@ def reference_forward(
         no key.
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
-    S, _, _ = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
+    S, _, _, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
     P, lse = softmax_parts(S)
-    # O = P V.
-    out = np.matmul(P, v64)
+    # O = P V (keys no query may see read as zeros).
+    out = np.matmul(P, np.where(seen[..., None], v64, 0.0))
     return out, lse
 
 
@@ -236,8 +240,10 @@ def reference_backward(
     """
     q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
     dO = _as_f64(dout)
-    S, s, dmod = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors,
-                         slope=True)
+    S, s, dmod, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod,
+                               mod_tensors, slope=True)
+    # Keys no query may see read as zeros.
+    k64, v64 = np.where(seen[..., None], k64, 0.0), np.where(seen[..., None], v64, 0.0)
     # P = exp(S - lse), 0 on masked positions and on rows that see no key.
     P, _ = softmax_parts(S)
     O = np.matmul(P, v64)

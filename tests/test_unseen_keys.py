@@ -1,0 +1,65 @@
+"""A key that no query may see is never read: NaN or Inf stored in it changes nothing
+(the NumPy backend and the float64 reference; the kernels follow in the masking issue)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pycudaflash import flash_attn_backward, flash_attn_forward
+from pycudaflash.reference import reference_backward, reference_forward
+
+B, H, NQ, NK, D = 2, 2, 37, 53, 16
+RNG = np.random.default_rng(21)
+Q, K, V, DOUT = (RNG.standard_normal((B, H, n, D)).astype(np.float32) for n in (NQ, NK, NK, NQ))
+COLUMN_MASK = np.ones((B, 1, NQ, NK), bool)
+COLUMN_MASK[:, :, :, 7] = False  # key 7: no query of any head may see it
+COLUMN_MASK[1, :, :, 20:25] = False
+
+# (options, the keys no query may see: bool (B, H or 1, NK))
+CASES = {
+    "key_lengths": (dict(key_lengths=np.array([30, 53])), np.arange(NK)[None, None, :] >= np.array([30, 53])[:, None, None]),
+    "causal_top_left": (dict(causal=True), np.broadcast_to(np.arange(NK) >= NQ, (1, 1, NK))),
+    "window": (dict(window=(3, 2)), np.broadcast_to(np.arange(NK) > NQ - 1 + 2, (1, 1, NK))),
+    "bool_mask_column": (dict(mask=COLUMN_MASK), ~COLUMN_MASK.any(axis=2)),
+}
+
+
+def _poisoned(x: np.ndarray, unseen: np.ndarray, value: float) -> np.ndarray:
+    y = x.copy()
+    y[np.broadcast_to(unseen, x.shape[:3])] = value
+    return y
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_unseen_keys_change_nothing(name: str, poison: float) -> None:
+    opts, unseen = CASES[name]
+    assert unseen.any(), "the case must have keys that no query sees"
+    Kp, Vp = _poisoned(K, unseen, poison), _poisoned(V, unseen, poison)
+    for fwd, bwd, kw in ((flash_attn_forward, flash_attn_backward, dict(backend="numpy")),
+                         (reference_forward, reference_backward, {})):
+        clean = fwd(Q, K, V, **opts, **kw)
+        dirty = fwd(Q, Kp, Vp, **opts, **kw)
+        for a, b in zip(clean, dirty):
+            np.testing.assert_array_equal(a, b)
+        if bwd is flash_attn_backward:
+            g_clean = bwd(DOUT, Q, K, V, *clean, **opts, **kw)
+            g_dirty = bwd(DOUT, Q, Kp, Vp, *dirty, **opts, **kw)
+        else:
+            g_clean, g_dirty = bwd(DOUT, Q, K, V, **opts), bwd(DOUT, Q, Kp, Vp, **opts)
+        for a, b in zip(g_clean, g_dirty):
+            np.testing.assert_array_equal(a, b)
+        dk, dv = g_dirty[1], g_dirty[2]
+        assert not np.broadcast_to(unseen[..., None], dk.shape)[dk != 0].any(), "an unseen key got a dk"
+        assert not np.broadcast_to(unseen[..., None], dv.shape)[dv != 0].any(), "an unseen key got a dv"
+
+
+def test_a_seen_key_still_carries_its_nan() -> None:
+    """Only keys no query may see are left out: a NaN in a key some query sees reaches that query."""
+    Vp = V.copy()
+    Vp[0, 0, 3] = np.nan  # seen by every query without a mask
+    out, _ = flash_attn_forward(Q, K, Vp, backend="numpy")
+    assert np.isnan(out[0, 0]).all()
+    ref, _ = reference_forward(Q, K, Vp)
+    assert np.isnan(ref[0, 0]).all()
