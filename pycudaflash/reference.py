@@ -47,6 +47,23 @@ def masked_scores(
     return _scores(q, k, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)[:2]
 
 
+def _heads(x: np.ndarray, H: int, name: str) -> np.ndarray:
+    """k or v with one head per query head: grouped-query attention reads K/V head
+    ``h // (H // Hkv)`` for query head ``h`` (``Hkv`` must divide ``H``)."""
+    hkv = x.shape[1]
+    if hkv == H:
+        return x
+    if hkv < 1 or H % hkv:
+        raise ValueError(f"{name} has {hkv} heads, which must divide the {H} heads of q")
+    return np.repeat(x, H // hkv, axis=1)
+
+
+def _group_sum(dx: np.ndarray, hkv: int) -> np.ndarray:
+    """Gradients of the repeated K/V heads summed back onto the ``hkv`` heads."""
+    B, H, N, D = dx.shape
+    return dx if hkv == H else dx.reshape(B, hkv, H // hkv, N, D).sum(axis=2)
+
+
 def _modifier(m: Any, tensors: Any, role: str) -> Any:
     """A Modifier of ``role`` from a Modifier or its source text (None stays None)."""
     if m is None:
@@ -70,6 +87,7 @@ def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, w
         raise ValueError("q and k must have shape (B, H, N, D)")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
+    k = _heads(k, H, "k")
     mode = normalize_causal(causal)
     left, right = normalize_window(window)
     s = normalize_scale(scale, D)
@@ -168,8 +186,10 @@ def reference_forward(
     Parameters
     ----------
     q : array, shape (B, H, Nq, D)
-    k, v : arrays, shape (B, H, Nk, D)
-        Any float dtype; converted to float64.
+    k, v : arrays, shape (B, Hkv, Nk, D)
+        Any float dtype; converted to float64.  ``Hkv`` divides ``H``: query
+        head ``h`` reads K/V head ``h // (H // Hkv)`` (grouped-query and, with
+        ``Hkv = 1``, multi-query attention).
     scale : float, optional
         Score scale, default ``1/sqrt(D)``.
     causal : bool or {'top_left', 'bottom_right'}, optional
@@ -202,7 +222,7 @@ def reference_forward(
     S, _, _, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
     P, lse = softmax_parts(S)
     # O = P V (keys no query may see read as zeros).
-    out = np.matmul(P, np.where(seen[..., None], v64, 0.0))
+    out = np.matmul(P, np.where(seen[..., None], _heads(v64, q64.shape[1], "v"), 0.0))
     return out, lse
 
 
@@ -234,7 +254,7 @@ def reference_backward(
     Returns
     -------
     dq : ndarray, shape (B, H, Nq, D), float64
-    dk, dv : ndarrays, shape (B, H, Nk, D), float64
+    dk, dv : ndarrays, shape (B, Hkv, Nk, D), float64 (summed over each group)
         Gradients of the loss; rows that see no key contribute nothing and get
         ``dq = 0``.
     """
@@ -242,8 +262,10 @@ def reference_backward(
     dO = _as_f64(dout)
     S, s, dmod, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod,
                                mod_tensors, slope=True)
-    # Keys no query may see read as zeros.
-    k64, v64 = np.where(seen[..., None], k64, 0.0), np.where(seen[..., None], v64, 0.0)
+    # K/V heads repeated for grouped queries; keys no query may see read as zeros.
+    hkv = k64.shape[1]
+    k64 = np.where(seen[..., None], _heads(k64, q64.shape[1], "k"), 0.0)
+    v64 = np.where(seen[..., None], _heads(v64, q64.shape[1], "v"), 0.0)
     # P = exp(S - lse), 0 on masked positions and on rows that see no key.
     P, _ = softmax_parts(S)
     O = np.matmul(P, v64)
@@ -261,4 +283,5 @@ def reference_backward(
     # dQ = scale dS K, dK = scale dS^T Q.
     dq = s * np.matmul(dS, k64)
     dk = s * np.matmul(np.swapaxes(dS, -1, -2), q64)
-    return dq, dk, dv
+    # Grouped queries: each K/V head sums the gradients of its group.
+    return dq, _group_sum(dk, hkv), _group_sum(dv, hkv)
