@@ -23,7 +23,7 @@ without NaN and without numpy floating-point warnings.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -43,6 +43,19 @@ def _tile_starts(lo: int, hi: int, block: int) -> range:
     return range((lo // block) * block, hi, block)
 
 
+class _Mods:
+    """The score and mask modifiers of a call (:mod:`pycudaflash.mods`) and their tensors."""
+
+    def __init__(self, score_mod: Any, mask_mod: Any, tensors: Any, B: int, H: int) -> None:
+        self.score, self.mask, self.tensors = score_mod, mask_mod, tensors
+        self.slope = score_mod.derivative() if score_mod is not None else None
+        self.b, self.h = np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None]
+
+    def positions(self, i0: int, i1: int, j0: int, j1: int) -> Dict[str, Any]:
+        return dict(b=self.b, h=self.h, i=np.arange(i0, i1)[None, None, :, None],
+                    j=np.arange(j0, j1)[None, None, None, :], tensors=self.tensors)
+
+
 def _tile_allowed(
     i0: int,
     i1: int,
@@ -52,10 +65,11 @@ def _tile_allowed(
     key_lengths: Optional[np.ndarray],
     kl_min: int,
     mask: Optional[np.ndarray],
+    mods: Optional[_Mods] = None,
 ) -> Optional[np.ndarray]:
     """Element-wise allowed-mask of tile ``[i0, i1) x [j0, j1)``.
 
-    Combines the band, the key lengths and a bool dense mask; the result
+    Combines the band, the key lengths, a bool dense mask and a mask modifier; the result
     broadcasts against ``(B, H, i1 - i0, j1 - j0)``.  ``None`` means every
     element of the tile is allowed.
     """
@@ -72,6 +86,10 @@ def _tile_allowed(
     if mask is not None and mask.dtype == np.bool_:
         tile = mask[:, :, i0:i1, j0:j1]
         allowed = tile if allowed is None else allowed & tile
+    # Mask modifier.
+    if mods is not None and mods.mask is not None:
+        keep = mods.mask.evaluate(**mods.positions(i0, i1, j0, j1))
+        allowed = keep if allowed is None else allowed & keep
     return allowed
 
 
@@ -85,17 +103,28 @@ def _scores(
     i1: int,
     j0: int,
     j1: int,
-) -> np.ndarray:
-    """``Sij = scale * Qi Kj^T (+ float bias)``, ``-inf`` where not allowed."""
+    mods: Optional[_Mods] = None,
+    slope: bool = False,
+) -> Any:
+    """``Sij = scale * Qi Kj^T (+ float bias)``, the score modifier applied, ``-inf`` where
+    not allowed; with ``slope`` also the modifier's derivative at the unmodified scores
+    (None without a score modifier)."""
     Sij = np.matmul(Qi, np.swapaxes(Kj, -1, -2))
     Sij *= _F32(scale)
     if mask is not None and mask.dtype != np.bool_:
         # A bias beyond the float32 range rounds to +-inf, silently.
         with np.errstate(over="ignore"):
             Sij += mask[:, :, i0:i1, j0:j1].astype(_F32)
+    dmod = None
+    if mods is not None and mods.score is not None:
+        pos = mods.positions(i0, i1, j0, j1)
+        if slope:
+            dmod = np.broadcast_to(mods.slope.evaluate(Sij, **pos), Sij.shape).astype(_F32)
+        with np.errstate(over="ignore"):
+            Sij = np.broadcast_to(mods.score.evaluate(Sij, **pos), Sij.shape).astype(_F32)
     if allowed is not None:
         Sij = np.where(allowed, Sij, _NEG_INF)
-    return Sij
+    return (Sij, dmod) if slope else Sij
 
 
 def _key_limit(nk: int, key_lengths: Optional[np.ndarray]) -> Tuple[int, int]:
@@ -106,7 +135,7 @@ def _key_limit(nk: int, key_lengths: Optional[np.ndarray]) -> Tuple[int, int]:
 
 
 def _keys_seen(B: int, H: int, Nq: int, Nk: int, bnd: Band, key_lengths: Optional[np.ndarray], kl_min: int,
-               mask: Optional[np.ndarray], Br: int, Bc: int) -> np.ndarray:
+               mask: Optional[np.ndarray], Br: int, Bc: int, mods: Optional[_Mods] = None) -> np.ndarray:
     """(B, H, Nk) bool: whether any query row may see each key.  A key no row may see is
     zeroed where it is loaded, so that a NaN or Inf stored in it changes nothing."""
     seen = np.zeros((B, H, Nk), dtype=bool)
@@ -115,7 +144,7 @@ def _keys_seen(B: int, H: int, Nq: int, Nk: int, bnd: Band, key_lengths: Optiona
         lo, hi = bnd.query_range(j0, j1, Nq)
         for i0 in _tile_starts(lo, hi, Br):
             i1 = min(i0 + Br, Nq)
-            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask)
+            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask, mods)
             if allowed is None:
                 seen[:, :, j0:j1] = True
                 break
@@ -124,8 +153,12 @@ def _keys_seen(B: int, H: int, Nq: int, Nk: int, bnd: Band, key_lengths: Optiona
 
 
 def _load_keys(x: np.ndarray, j0: int, j1: int, seen: np.ndarray) -> np.ndarray:
-    """Rows ``[j0, j1)`` of k or v in float32, zero where no query may see the key."""
+    """Rows ``[j0, j1)`` of k or v in float32, one head per query head (a K/V head serves
+    ``H // Hkv`` query heads), zero where no query may see the key."""
     tile = np.asarray(x[:, :, j0:j1, :], dtype=_F32)
+    H = seen.shape[1]
+    if tile.shape[1] != H:
+        tile = np.repeat(tile, H // tile.shape[1], axis=1)
     part = seen[:, :, j0:j1]
     return tile if part.all() else np.where(part[..., None], tile, _F32(0))
 
@@ -145,6 +178,9 @@ def forward(
     lse: np.ndarray,
     block_q: int = 64,
     block_k: int = 64,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> None:
     """Tiled FlashAttention-2 forward pass, written into ``out`` and ``lse``.
 
@@ -171,6 +207,12 @@ def forward(
         no key.
     block_q, block_k : int
         Tile sizes ``Br`` (query rows) and ``Bc`` (keys).
+    score_mod, mask_mod : pycudaflash.mods.Modifier, optional
+        Modifiers (with ``mod_tensors``, the host arrays they read): the
+        score modifier replaces each scaled, biased score; the mask modifier
+        excludes where it is False.
+    k, v may have fewer heads than q (``Hkv`` dividing ``H``): query head ``h``
+    reads K/V head ``h // (H // Hkv)``.
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
@@ -181,7 +223,8 @@ def forward(
         key_lengths = np.asarray(key_lengths, dtype=np.int64).reshape(B)
     bnd = band(Nq, Nk, causal, window_left, window_right)
     kl_max, kl_min = _key_limit(Nk, key_lengths)
-    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc)
+    mods = _Mods(score_mod, mask_mod, mod_tensors, B, H) if score_mod is not None or mask_mod is not None else None
+    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc, mods)
     Tr = -(-Nq // Br)
 
     for r in range(Tr):
@@ -200,8 +243,8 @@ def forward(
             # Load Kj, Vj (keys no query may see read as zeros).
             Kj, Vj = _load_keys(k, j0, j1, key_seen), _load_keys(v, j0, j1, key_seen)
             # Sij = scale Qi Kj^T + bias, masked to -inf.
-            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask)
-            Sij = _scores(Qi, Kj, scale, allowed, mask, i0, i1, j0, j1)
+            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask, mods)
+            Sij = _scores(Qi, Kj, scale, allowed, mask, i0, i1, j0, j1, mods)
             # New running max; a row still at -inf uses 0 as its reference.
             mi_new = np.maximum(mi, Sij.max(axis=-1))
             m_ref = np.where(mi_new == _NEG_INF, _F32(0), mi_new)
@@ -243,6 +286,9 @@ def backward(
     dv: np.ndarray,
     block_q: int = 64,
     block_k: int = 64,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> None:
     """Tiled FlashAttention-2 backward pass, written into ``dq``, ``dk``, ``dv``.
 
@@ -263,9 +309,13 @@ def backward(
         Output buffers, written fully.
     block_q, block_k : int
         Tile sizes ``Br`` (query rows) and ``Bc`` (keys).
+    score_mod, mask_mod, mod_tensors
+        As in :func:`forward`; the gradient through the score modifier is its
+        derivative with respect to the score.  With fewer K/V heads than
+        query heads, dk and dv sum the gradients of each group.
     """
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    Nk, Hkv = k.shape[2], k.shape[1]
     Br, Bc = int(block_q), int(block_k)
     if mask is not None:
         mask = np.broadcast_to(mask, (B, H, Nq, Nk))
@@ -273,7 +323,8 @@ def backward(
         key_lengths = np.asarray(key_lengths, dtype=np.int64).reshape(B)
     bnd = band(Nq, Nk, causal, window_left, window_right)
     kl_max, kl_min = _key_limit(Nk, key_lengths)
-    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc)
+    mods = _Mods(score_mod, mask_mod, mod_tensors, B, H) if score_mod is not None or mask_mod is not None else None
+    key_seen = _keys_seen(B, H, Nq, Nk, bnd, key_lengths, kl_min, mask, Br, Bc, mods)
     Tc = -(-Nk // Bc)
 
     # Preprocess: Di = rowsum(dOi * Oi) in float32.
@@ -304,22 +355,28 @@ def backward(
             Li = L_all[:, :, i0:i1]
             Di = D_all[:, :, i0:i1]
             # Sij = scale Qi Kj^T + bias, masked to -inf.
-            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask)
-            Sij = _scores(Qi, Kj, scale, allowed, mask, i0, i1, j0, j1)
+            allowed = _tile_allowed(i0, i1, j0, j1, bnd, key_lengths, kl_min, mask, mods)
+            Sij, slope = _scores(Qi, Kj, scale, allowed, mask, i0, i1, j0, j1, mods, slope=True)
             # Pij = exp(Sij - Li).
             Pij = np.exp(Sij - Li[..., None])
             # dVj += Pij^T dOi.
             dVj += np.matmul(np.swapaxes(Pij, -1, -2), dOi)
             # dPij = dOi Vj^T.
             dPij = np.matmul(dOi, np.swapaxes(Vj, -1, -2))
-            # dSij = Pij * (dPij - Di).
+            # dSij = Pij * (dPij - Di), times the score modifier's slope where anything flows.
             dSij = Pij * (dPij - Di[..., None])
+            if slope is not None:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    dSij = np.where(dSij == 0, _F32(0), dSij * slope)
             # dKj += dSij^T Qi (scale applied once at the end).
             dKj += np.matmul(np.swapaxes(dSij, -1, -2), Qi)
             # dQi += dSij Kj (scale applied once at the end).
             dQ_acc[:, :, i0:i1, :] += np.matmul(dSij, Kj)
 
-        # Write dKj = scale dKj and dVj.
+        # Write dKj = scale dKj and dVj (summed over each group of query heads).
+        if Hkv != H:
+            dKj = dKj.reshape(B, Hkv, H // Hkv, j1 - j0, D).sum(axis=2)
+            dVj = dVj.reshape(B, Hkv, H // Hkv, j1 - j0, D).sum(axis=2)
         dk[:, :, j0:j1, :] = (dKj * _F32(scale)).astype(dk.dtype, copy=False)
         dv[:, :, j0:j1, :] = dVj.astype(dv.dtype, copy=False)
 
