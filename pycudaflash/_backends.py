@@ -54,4 +54,8 @@ def choose_backend(prob: Problem, backend: Optional[str], stream: Any) -> str:
     usable, reason = cuda_status()
     if backend == "cuda" and not usable:
         raise RuntimeError(f"backend='cuda' was requested but {reason}")
+    if usable and not prob.plain:
+        from ._validate import _NUMPY_ONLY
+
+        raise ValueError(_NUMPY_ONLY)
     return "cuda" if usable else "numpy"

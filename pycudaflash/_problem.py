@@ -44,7 +44,10 @@ class Operand:
 class Problem:
     """A validated forward or backward call.
 
-    Shapes: q (B, H, Nq, D); k, v (B, H, Nk, D); out like q; lse (B, H, Nq).
+    Shapes: q (B, H, Nq, D); k, v (B, Hkv, Nk, D) with ``Hkv`` dividing ``H``
+    (query head ``h`` reads K/V head ``h // (H // Hkv)``); out like q; lse
+    (B, H, Nq).  ``score_mod``/``mask_mod`` are :class:`pycudaflash.mods.Modifier`
+    objects reading the host arrays of ``mod_tensors``.
     ``mask`` is already broadcast to (B, H, Nq, Nk) (zero strides where the
     caller's mask had size-1 or missing dimensions).  ``key_lengths`` is a
     validated host int32 array of shape (B,) with values in [0, Nk].
@@ -79,3 +82,12 @@ class Problem:
     dv: Optional[Operand] = None
     deterministic: bool = False
     extra: dict = field(default_factory=dict)
+    Hkv: int = 0  # K/V heads (0: H)
+    score_mod: Any = None
+    mask_mod: Any = None
+    mod_tensors: Optional[dict] = None
+
+    @property
+    def plain(self) -> bool:
+        """No modifier and one K/V head per query head: what every backend runs."""
+        return self.score_mod is None and self.mask_mod is None and self.Hkv in (0, self.H)

@@ -11,7 +11,7 @@ device, which is copied to the host (:func:`_device_to_host`).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -77,6 +77,7 @@ class _Dims(NamedTuple):
     Nq: int
     Nk: int
     D: int
+    Hkv: int = 0  # heads of k and v (0: H)
 
 
 # --------------------------------------------------------------------------
@@ -97,6 +98,9 @@ def validate_forward(
     out: Any = None,
     lse: Any = None,
     dtype: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Problem:
     """Check the arguments of a forward call and describe it as a :class:`Problem`.
 
@@ -139,6 +143,7 @@ def validate_forward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=False, opaque_dtype=explicit,
+        mods=(score_mod, mask_mod, mod_tensors),
     )
 
 
@@ -160,6 +165,9 @@ def validate_backward(
     dk: Any = None,
     dv: Any = None,
     dtype: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Problem:
     """Check the arguments of a backward call and describe it as a :class:`Problem`.
 
@@ -208,11 +216,11 @@ def validate_backward(
     dims = _check_qkv_dims(ops["q"], ops["k"], ops["v"])
     dtype = _check_dtypes(ops, ("q", "k", "v", "out", "dout", "dq", "dk", "dv"), explicit)
     q_shape = (dims.B, dims.H, dims.Nq, dims.D)
-    k_shape = (dims.B, dims.H, dims.Nk, dims.D)
+    k_shape = (dims.B, dims.Hkv, dims.Nk, dims.D)
     for name in ("dout", "out", "dq"):
         _check_shape(ops[name], q_shape, "(B, H, Nq, D)", "q")
     for name in ("dk", "dv"):
-        _check_shape(ops[name], k_shape, "(B, H, Nk, D)", "k")
+        _check_shape(ops[name], k_shape, "(B, Hkv, Nk, D)", "k")
     _check_lse(ops["lse"], dims)
     _check_layouts(ops, ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"))
     _check_outputs(ops, ("dq", "dk", "dv"))
@@ -220,6 +228,7 @@ def validate_backward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=deterministic, opaque_dtype=explicit,
+        mods=(score_mod, mask_mod, mod_tensors),
     )
 
 
@@ -302,10 +311,10 @@ def _check_ndim(ops: Dict[str, Optional[Operand]], names: Sequence[str]) -> None
 
 
 def _check_qkv_dims(q: Operand, k: Operand, v: Operand) -> _Dims:
-    """Read (B, H, Nq, Nk, D) and check that q, k and v agree."""
+    """Read (B, H, Nq, Nk, D, Hkv) and check that q, k and v agree."""
     B, H, Nq, D = q.shape
     for op in (k, v):
-        for axis, label in ((0, "batch size B"), (1, "head count H"), (3, "head dimension D")):
+        for axis, label in ((0, "batch size B"), (3, "head dimension D")):
             if op.shape[axis] != q.shape[axis]:
                 raise ValueError(
                     f"{op.name} has {label} = {op.shape[axis]} but q has {q.shape[axis]} "
@@ -317,12 +326,20 @@ def _check_qkv_dims(q: Operand, k: Operand, v: Operand) -> _Dims:
             f"k and v must have the same number of keys Nk, got {Nk} and {v.shape[2]} "
             f"(k shape {k.shape}, v shape {v.shape})"
         )
-    dims = _Dims(B=B, H=H, Nq=Nq, Nk=Nk, D=D)
+    dims = _Dims(B=B, H=H, Nq=Nq, Nk=Nk, D=D, Hkv=k.shape[1])
     for label, size in dims._asdict().items():
         if size == 0:
             raise ValueError(
                 f"{label} must be at least 1, got 0 (q shape {q.shape}, k shape {k.shape})"
             )
+    for op in (k, v):
+        if op.shape[1] < 1 or H % op.shape[1]:
+            raise ValueError(
+                f"{op.name} has {op.shape[1]} heads, which must divide the {H} heads of q "
+                f"(q shape {q.shape}, {op.name} shape {op.shape})"
+            )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"head dimension D must be at most {MAX_HEAD_DIM}, got {D}")
     return dims
@@ -467,6 +484,7 @@ def _make_problem(
     key_lengths: Any,
     deterministic: Any,
     opaque_dtype: Optional[np.dtype] = None,
+    mods: Tuple[Any, Any, Any] = (None, None, None),
 ) -> Problem:
     """Check the non-array options and assemble the :class:`Problem`."""
     causal_mode = semantics.normalize_causal(causal)
@@ -476,6 +494,9 @@ def _make_problem(
     mask_op, mask_kind = _check_mask(ops["mask"], dims, dtype)
     lengths = _check_key_lengths(key_lengths, dims, opaque_dtype)
     q = ops["q"]
+    score_mod, mask_mod, tensors = _check_mods(*mods)
+    if q.on_device and (score_mod is not None or mask_mod is not None or dims.Hkv != dims.H):
+        raise ValueError(_NUMPY_ONLY)
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
         scale=scale_value, causal=causal_mode, window_left=left, window_right=right,
@@ -483,8 +504,47 @@ def _make_problem(
         on_device=q.on_device, q=q, k=ops["k"], v=ops["v"],
         out=ops.get("out"), lse=ops.get("lse"), mask=mask_op, mask_kind=mask_kind,
         key_lengths=lengths, dout=ops.get("dout"), dq=ops.get("dq"), dk=ops.get("dk"),
-        dv=ops.get("dv"), deterministic=deterministic,
+        dv=ops.get("dv"), deterministic=deterministic, Hkv=dims.Hkv, score_mod=score_mod,
+        mask_mod=mask_mod, mod_tensors=tensors,
     )
+
+
+#: Why a call with modifiers or grouped K/V heads is refused on the GPU.
+_NUMPY_ONLY = ("score_mod, mask_mod and k, v with fewer heads than q run on the NumPy backend only so far: "
+               "pass numpy arrays (or torch CPU tensors) with backend='numpy'")
+
+
+def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any) -> Tuple[Any, Any, Optional[dict]]:
+    """The modifiers as :class:`pycudaflash.mods.Modifier` objects and their tensors as host arrays."""
+    if mod_tensors is not None and not isinstance(mod_tensors, Mapping):
+        raise TypeError(f"mod_tensors must be a mapping of names to arrays, got {type(mod_tensors).__name__}")
+    if score_mod is None and mask_mod is None:
+        if mod_tensors:
+            raise ValueError("mod_tensors given without a score_mod or mask_mod")
+        return None, None, None
+    from .mods import Modifier
+
+    tensors = {}
+    for name, t in (mod_tensors or {}).items():
+        if getattr(t, "__cuda_array_interface__", None) is not None or getattr(t, "is_cuda", False):
+            raise TypeError(f"mod_tensors[{name!r}] is a device array; {_NUMPY_ONLY}")
+        tensors[name] = np.asarray(t)
+    out = []
+    for m, role in ((score_mod, "score"), (mask_mod, "mask")):
+        if m is None:
+            out.append(None)
+        elif isinstance(m, Modifier):
+            if m.role != role:
+                raise ValueError(f"a {m.role}_mod was given as {role}_mod")
+            missing = set(m.signature) - set(tensors)
+            if missing:
+                raise ValueError(f"{role}_mod reads mod_tensors {sorted(missing)}, which were not given")
+            out.append(m)
+        elif isinstance(m, str):
+            out.append(Modifier(m, tensors, role))
+        else:
+            raise TypeError(f"{role}_mod must be a string expression or a Modifier, got {type(m).__name__}")
+    return out[0], out[1], tensors
 
 
 def _normalize_scale(scale: Any, head_dim: int) -> float:

@@ -17,7 +17,7 @@ numpy arrays.  A repeated call on device arrays with the same signature
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +46,9 @@ def flash_attn_forward(
     lse: Optional[ArrayLike] = None,
     backend: Optional[str] = None,
     dtype: Optional[DTypeLike] = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Optional[Mapping[str, Any]] = None,
 ) -> Tuple[ArrayLike, ArrayLike]:
     """Attention forward pass, ``out = softmax(scale * q k^T + bias) v``.
 
@@ -56,8 +59,11 @@ def flash_attn_forward(
         ``__cuda_array_interface__`` (torch, cupy), or a numpy array.  Any
         strides with the last dimension contiguous.  dtype float32, float16
         or bfloat16 (``ml_dtypes.bfloat16`` for numpy arrays).
-    k, v : array, shape (B, H, Nk, D)
-        Keys and values, same kind and dtype as ``q``.
+    k, v : array, shape (B, Hkv, Nk, D)
+        Keys and values, same kind and dtype as ``q``.  ``Hkv`` (usually
+        ``H``) divides ``H``: query head ``h`` reads K/V head
+        ``h // (H // Hkv)`` (grouped-query attention; NumPy backend only so
+        far).
     causal : bool or {'top_left', 'bottom_right'}, optional
         ``True``/``'top_left'``: query i sees keys j <= i.  ``'bottom_right'``:
         query i sees keys j <= i + Nk - Nq.
@@ -90,6 +96,14 @@ def flash_attn_forward(
         ``__dlpack__`` (torch, cupy) need no ``dtype``; their type is read
         from DLPack.  When given, it must equal the dtype of q, k, v and out,
         else ``TypeError``.
+    score_mod, mask_mod : str or pycudaflash.mods.Modifier, optional
+        Modifier expressions (:mod:`pycudaflash.mods`), e.g.
+        ``score_mod="30 * tanh(score / 30)"`` or
+        ``mask_mod="doc[b, i] == doc[b, j]"``: the score modifier replaces
+        each scaled (and biased) score, the mask modifier excludes where it
+        is False.  NumPy backend only so far.
+    mod_tensors : mapping of str to array, optional
+        The host arrays the modifiers read by name.
 
     Returns
     -------
@@ -99,16 +113,17 @@ def flash_attn_forward(
         Natural-log log-sum-exp of each row's scores; ``-inf`` for a row that
         sees no key (its ``out`` row is 0).
     """
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors)
     if is_torch_cpu(q):
         return torch_cpu_call(
             flash_attn_forward, (q, k, v), dict(out=out, lse=lse, mask=mask), ("out", "lse"),
             dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale, stream=stream,
-                 backend=backend or "numpy", dtype=dtype),
+                 backend=backend or "numpy", dtype=dtype, **mods),
         )
     return _run("fwd", (q, k, v, out, lse, mask), (causal, window, scale, backend, dtype), key_lengths, stream,
                 backend, lambda: _validate.validate_forward(
                     q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-                    scale=scale, out=out, lse=lse, dtype=dtype))
+                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), _plain(mods))
 
 
 def flash_attn_backward(
@@ -131,6 +146,9 @@ def flash_attn_backward(
     dv: Optional[ArrayLike] = None,
     backend: Optional[str] = None,
     dtype: Optional[DTypeLike] = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Optional[Mapping[str, Any]] = None,
 ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Attention backward pass from the forward's ``out`` and ``lse``.
 
@@ -140,8 +158,10 @@ def flash_attn_backward(
         Gradient of the loss with respect to ``out``.
     q, k, v, out, lse
         The forward pass's inputs and results (``lse`` float32, natural log).
-    causal, window, mask, key_lengths, scale
+    causal, window, mask, key_lengths, scale, score_mod, mask_mod, mod_tensors
         As in :func:`flash_attn_forward`; they must match the forward call.
+        The gradient through ``score_mod`` is its derivative with respect to
+        the score, derived from the expression.
     deterministic : bool, optional
         If True, results are bit-identical run to run (no floating-point
         atomics in the dQ reduction).
@@ -160,32 +180,39 @@ def flash_attn_backward(
     -------
     dq, dk, dv : arrays shaped like q, k, v
         Gradients of the loss, in the dtype of ``q``; rows that saw no key
-        give zero gradients.
+        give zero gradients; with fewer K/V heads than query heads, dk and
+        dv sum the gradients of each group.
     """
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors)
     if is_torch_cpu(q):
         return torch_cpu_call(
             _backward_positional, (dout, q, k, v, out, lse), dict(dq=dq, dk=dk, dv=dv, mask=mask),
             ("dq", "dk", "dv"),
             dict(causal=causal, window=window, key_lengths=key_lengths, scale=scale,
-                 deterministic=deterministic, stream=stream, backend=backend or "numpy", dtype=dtype),
+                 deterministic=deterministic, stream=stream, backend=backend or "numpy", dtype=dtype, **mods),
         )
     return _run("bwd", (q, k, v, out, dout, lse, dq, dk, dv, mask),
                 (causal, window, scale, deterministic, backend, dtype), key_lengths, stream, backend,
                 lambda: _validate.validate_backward(
                     dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
                     key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-                    dq=dq, dk=dk, dv=dv, dtype=dtype))
+                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), _plain(mods))
+
+
+def _plain(mods: Dict[str, Any]) -> bool:
+    """No modifier: a call the fast path may serve."""
+    return mods["score_mod"] is None and mods["mask_mod"] is None and mods["mod_tensors"] is None
 
 
 def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengths: Any, stream: Any,
-         backend: Optional[str], validate: Callable[[], Any]) -> Tuple[Any, ...]:
+         backend: Optional[str], validate: Callable[[], Any], plain: bool = True) -> Tuple[Any, ...]:
     """A pass of the plain API: a repeated call of a planned signature launches at once (outputs
     allocated or checked for overlap by address range); any other is validated, then run.
 
     ``arrays``: the pass's operands in the order of ``cuda_backend.OPERANDS[kind]`` (None where
     absent); ``validate()`` returns the call's Problem.
     """
-    sig = None if backend == "numpy" else _calls.signature(kind, arrays, options, key_lengths)
+    sig = None if backend == "numpy" or not plain else _calls.signature(kind, arrays, options, key_lengths)
     if sig is not None:
         key, ptrs, ctx, pushed = sig
         try:

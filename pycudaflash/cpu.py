@@ -430,6 +430,7 @@ def run_forward(prob: Problem) -> Tuple[np.ndarray, np.ndarray]:
         window_left=prob.window_left, window_right=prob.window_right,
         mask=None if prob.mask is None else _host_array(prob.mask),
         key_lengths=prob.key_lengths, out=out, lse=lse,
+        score_mod=prob.score_mod, mask_mod=prob.mask_mod, mod_tensors=prob.mod_tensors,
     )
     return _result(prob.out, out), _result(prob.lse, lse)
 
@@ -452,8 +453,9 @@ def run_backward(prob: Problem) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     if prob.dout is None or prob.out is None or prob.lse is None:
         raise ValueError("a backward problem needs dout, out and lse")
     dq = _output(prob.dq, (B, H, Nq, D), prob.dtype)
-    dk = _output(prob.dk, (B, H, Nk, D), prob.dtype)
-    dv = _output(prob.dv, (B, H, Nk, D), prob.dtype)
+    Hkv = prob.Hkv or H
+    dk = _output(prob.dk, (B, Hkv, Nk, D), prob.dtype)
+    dv = _output(prob.dv, (B, Hkv, Nk, D), prob.dtype)
     backward(
         _host_array(prob.dout), _host_array(prob.q), _host_array(prob.k),
         _host_array(prob.v), _host_array(prob.out), _host_array(prob.lse),
@@ -461,5 +463,6 @@ def run_backward(prob: Problem) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         window_left=prob.window_left, window_right=prob.window_right,
         mask=None if prob.mask is None else _host_array(prob.mask),
         key_lengths=prob.key_lengths, dq=dq, dk=dk, dv=dv,
+        score_mod=prob.score_mod, mask_mod=prob.mask_mod, mod_tensors=prob.mod_tensors,
     )
     return _result(prob.dq, dq), _result(prob.dk, dk), _result(prob.dv, dv)

@@ -169,8 +169,10 @@ class _Parser:
             raise self.fail(n, f"unknown name {n.id!r} (names: score, b, h, i, j and the mod_tensors "
                                f"{sorted(self.tensors)})")
         if isinstance(n, ast.Subscript):
-            if not isinstance(n.value, ast.Name) or n.value.id not in self.tensors:
+            if not isinstance(n.value, ast.Name):
                 raise self.fail(n, "only the mod_tensors can be indexed")
+            if n.value.id not in self.tensors:
+                raise self.fail(n, f"unknown tensor {n.value.id!r} (mod_tensors: {sorted(self.tensors)})")
             name = n.value.id
             idx = n.slice.elts if isinstance(n.slice, ast.Tuple) else [n.slice]
             kind, ndim = self.tensors[name]

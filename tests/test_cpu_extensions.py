@@ -1,12 +1,13 @@
 """The NumPy backend with score and mask modifiers and with grouped-query attention, against
-the float64 reference (the public calls and the kernels follow in the masking issue)."""
+the float64 reference, directly and through the public calls (the kernels follow in the masking
+issue)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pycudaflash import cpu
+from pycudaflash import cpu, flash_attn_backward, flash_attn_forward
 from pycudaflash.mods import mask_mod, score_mod
 from pycudaflash.reference import reference_backward, reference_forward
 from pycudaflash.testing import relative_error
@@ -59,3 +60,66 @@ def test_numpy_backend_matches_the_reference(name: str) -> None:
     finite = np.isfinite(r_lse)
     assert np.array_equal(np.isfinite(lse), finite)
     np.testing.assert_allclose(lse[finite], r_lse[finite], rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------- the public calls
+
+def _inputs(hkv: int = H, seed: int = 3):
+    g = np.random.default_rng(seed)
+    q, dout = (g.standard_normal((B, H, NQ, D)).astype(np.float32) for _ in range(2))
+    k, v = (g.standard_normal((B, hkv, NK, D)).astype(np.float32) for _ in range(2))
+    return q, k, v, dout
+
+
+def test_public_calls_take_modifiers_and_grouped_heads() -> None:
+    q, k, v, dout = _inputs(hkv=2)
+    kw = dict(causal=True, score_mod="score - slope[h] * abs(i - j)", mask_mod="doc[b, i] == doc[b, j]",
+              mod_tensors=dict(slope=SLOPE, doc=DOC), backend="numpy")
+    out, lse = flash_attn_forward(q, k, v, **kw)
+    dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, **kw)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    ref = dict(causal=True, score_mod=kw["score_mod"], mask_mod=kw["mask_mod"], mod_tensors=kw["mod_tensors"])
+    r_out, _ = reference_forward(q, k, v, **ref)
+    r_grads = reference_backward(dout, q, k, v, **ref)
+    assert relative_error(out, r_out) < 6e-7
+    for got, want in zip((dq, dk, dv), r_grads):
+        assert relative_error(got, want) < 6e-7
+
+
+def test_torch_cpu_tensors_with_modifiers_come_back_as_torch() -> None:
+    torch = pytest.importorskip("torch")
+    q, k, v, _ = _inputs()
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    out, lse = flash_attn_forward(tq, tk, tv, score_mod="30 * tanh(score / 30)")
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    r_out, _ = reference_forward(q, k, v, score_mod="30 * tanh(score / 30)")
+    assert relative_error(out.numpy(), r_out) < 6e-7
+
+
+def test_modifiers_on_the_gpu_are_refused_before_any_work(monkeypatch) -> None:
+    """Where CUDA would run the call, modifiers and grouped heads raise (no silent fallback)."""
+    import pycudaflash._backends as backends
+
+    monkeypatch.setattr(backends, "cuda_status", lambda: (True, "usable"))
+    q, k, v, _ = _inputs(hkv=2)
+    with pytest.raises(ValueError, match="NumPy backend only so far"):
+        flash_attn_forward(q, k, v)
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="NumPy backend only so far"):
+        flash_attn_forward(q, k, v, score_mod="score * 2")
+
+
+def test_modifier_arguments_are_checked() -> None:
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="mod_tensors given without a score_mod or mask_mod"):
+        flash_attn_forward(q, k, v, mod_tensors=dict(slope=SLOPE), backend="numpy")
+    with pytest.raises(TypeError, match="score_mod must be a string expression or a Modifier"):
+        flash_attn_forward(q, k, v, score_mod=lambda s: s, backend="numpy")
+    with pytest.raises(ValueError, match="a mask_mod was given as score_mod"):
+        flash_attn_forward(q, k, v, score_mod=mask_mod("i >= j"), backend="numpy")
+    with pytest.raises(ValueError, match="reads mod_tensors \\['slope'\\], which were not given"):
+        flash_attn_forward(q, k, v, score_mod=score_mod("score * slope[h]", dict(slope=SLOPE)), backend="numpy")
+    with pytest.raises(ValueError, match="unknown tensor 'slope'"):
+        flash_attn_forward(q, k, v, score_mod="score * slope[h]", backend="numpy")
+    with pytest.raises(TypeError, match="mod_tensors must be a mapping"):
+        flash_attn_forward(q, k, v, score_mod="score", mod_tensors=[SLOPE], backend="numpy")

@@ -233,15 +233,26 @@ def test_backward_ndim(kind: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["k", "v"])
-@pytest.mark.parametrize(
-    "axis, label", [(0, "batch size B"), (1, "head count H"), (3, "head dimension D")]
-)
+@pytest.mark.parametrize("axis, label", [(0, "batch size B"), (3, "head dimension D")])
 def test_qkv_dim_mismatch(kind: str, name: str, axis: int, label: str) -> None:
     shape = list(K_SHAPE)
     shape[axis] += 1
     expected = rf"{name} has {label} = {shape[axis]} but q has {K_SHAPE[axis]}"
     with pytest.raises(ValueError, match=expected):
         run_fwd(fwd_args(kind, **{name: make(kind, shape)}))
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_kv_heads_must_divide_the_query_heads(kind: str, name: str) -> None:
+    shape = (B, H + 1, NK, D)
+    expected = re.escape(f"{name} has {H + 1} heads, which must divide the {H} heads of q")
+    with pytest.raises(ValueError, match=expected):
+        run_fwd(fwd_args(kind, **{name: make(kind, shape)}))
+
+
+def test_k_and_v_heads_must_agree(kind: str) -> None:
+    with pytest.raises(ValueError, match="k and v must have the same number of heads, got 1 and"):
+        run_fwd(fwd_args(kind, k=make(kind, (B, 1, NK, D))))
 
 
 def test_nk_mismatch(kind: str) -> None:
@@ -289,7 +300,7 @@ def test_backward_q_like_shapes(kind: str, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["dk", "dv"])
 def test_backward_k_like_shapes(kind: str, name: str) -> None:
-    expected = re.escape(f"{name} must have shape (B, H, Nk, D) = {K_SHAPE} like k")
+    expected = re.escape(f"{name} must have shape (B, Hkv, Nk, D) = {K_SHAPE} like k")
     with pytest.raises(ValueError, match=expected):
         run_bwd(bwd_args(kind, **{name: make(kind, Q_SHAPE)}))
 
