@@ -53,6 +53,9 @@ def flash_attention(
     scale: Optional[float] = None,
     deterministic: bool = False,
     return_lse: bool = False,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Optional[Dict[str, Any]] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention ``softmax(scale * q k^T + bias) v``, differentiable in q, k and v.
 
@@ -61,8 +64,9 @@ def flash_attention(
     q : Tensor, shape (B, H, Nq, D)
         Queries: float32, float16 or bfloat16, on a CUDA device or the CPU.
         Any strides; a last dimension that is not contiguous is copied.
-    k, v : Tensor, shape (B, H, Nk, D)
-        Keys and values, same dtype and device as ``q``.
+    k, v : Tensor, shape (B, Hkv, Nk, D)
+        Keys and values, same dtype and device as ``q``; ``Hkv`` divides
+        ``H`` (grouped-query attention: CPU tensors only so far).
     causal : bool or {'top_left', 'bottom_right'}, optional
         As in :func:`pycudaflash.flash_attn_forward`.
     window : (left, right), optional
@@ -83,6 +87,10 @@ def flash_attention(
         Also return the natural-log log-sum-exp of each row, (B, H, Nq)
         float32 (``-inf`` for a row that sees no key).  It is not
         differentiable.
+    score_mod, mask_mod, mod_tensors : optional
+        Modifier expressions and the tensors they read, as in
+        :func:`pycudaflash.flash_attn_forward` (CPU tensors only so far, and
+        eagerly: not under ``torch.compile``).
 
     Returns
     -------
@@ -106,6 +114,9 @@ def flash_attention(
             and key_lengths is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     kl = None if key_lengths is None else _key_lengths_tensor(key_lengths)
+    if score_mod is not None or mask_mod is not None or mod_tensors is not None:
+        return _with_mods(q, k, v, mask, kl, opts, deterministic, return_lse,
+                          dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors))
     if torch.compiler.is_compiling() or not _plain(q, k, v, mask, kl):
         out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, *opts, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -114,6 +125,21 @@ def flash_attention(
         out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic, True)
     else:
         out, lse = _forward_impl(q, k, v, mask, kl, opts, return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
+               opts: Tuple[Any, ...], deterministic: bool, return_lse: bool, mods: Dict[str, Any]) -> Any:
+    """A call with modifiers: eagerly through the autograd function, on the NumPy backend."""
+    if torch.compiler.is_compiling():
+        raise ValueError("score_mod, mask_mod and mod_tensors do not run under torch.compile yet")
+    if q.is_cuda:
+        from ._validate import _NUMPY_ONLY
+
+        raise ValueError(_NUMPY_ONLY)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
+    out, lse = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
     return (out, lse) if return_lse else out
 
 
@@ -257,9 +283,11 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
-                  opts: Tuple[Any, ...], need_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+                  opts: Tuple[Any, ...], need_lse: bool = True,
+                  mods: Optional[Dict[str, Any]] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse``
-    contiguous (on CUDA, None and not stored unless ``need_lse``)."""
+    contiguous (on CUDA, None and not stored unless ``need_lse``).  ``mods``: the modifier
+    arguments of the plain API (CPU only)."""
     causal, left, right, scale = opts
     causal_arg = causal if causal != "none" else False
     out = empty_like_layout(q)
@@ -268,7 +296,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
 
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         flash_attn_forward(q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=kl,
-                           scale=scale, out=out, lse=lse, backend="numpy")
+                           scale=scale, out=out, lse=lse, backend="numpy", **(mods or {}))
         return out, lse
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if need_lse else None
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
@@ -283,7 +311,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    mask: Optional[Tensor], kl: Optional[Tensor], opts: Tuple[Any, ...],
-                   deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                   deterministic: bool, mods: Optional[Dict[str, Any]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward pass into new tensors laid out like q, k and v."""
     causal, left, right, scale = opts
     causal_arg = causal if causal != "none" else False
@@ -294,7 +322,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
         flash_attn_backward(dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
                             key_lengths=kl, scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                            backend="numpy")
+                            backend="numpy", **(mods or {}))
         return dq, dk, dv
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if mask is None else mask.data_ptr())
@@ -315,10 +343,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
-                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool) -> Any:
-        out, lse = _forward_impl(q, k, v, mask, kl, opts)
+                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool,
+                mods: Optional[Dict[str, Any]] = None) -> Any:
+        out, lse = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
         ctx.save_for_backward(q, k, v, out, lse, mask, kl)
-        ctx.args = (opts, deterministic)
+        ctx.args = (opts, deterministic, mods)
         if not return_lse:
             return out
         ctx.mark_non_differentiable(lse)
@@ -328,7 +357,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, *_dlse: Any) -> Tuple[Any, ...]:
         q, k, v, out, lse, mask, kl = ctx.saved_tensors
         dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, mask, kl, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------- custom operators

@@ -123,3 +123,23 @@ def test_modifier_arguments_are_checked() -> None:
         flash_attn_forward(q, k, v, score_mod="score * slope[h]", backend="numpy")
     with pytest.raises(TypeError, match="mod_tensors must be a mapping"):
         flash_attn_forward(q, k, v, score_mod="score", mod_tensors=[SLOPE], backend="numpy")
+
+
+def test_torch_op_with_modifiers_and_grouped_heads_on_the_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    from pycudaflash.torch import flash_attention
+
+    q, k, v, dout = _inputs(hkv=2, seed=9)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    kw = dict(score_mod="10 * tanh(score / 10)", mask_mod="(j <= i) | (j < prefix[b])",
+              mod_tensors=dict(prefix=torch.from_numpy(PREFIX)))
+    out = flash_attention(tq, tk, tv, **kw)
+    out.backward(torch.from_numpy(dout))
+    assert tk.grad.shape == tk.shape
+    ref = dict(score_mod=kw["score_mod"], mask_mod=kw["mask_mod"], mod_tensors=dict(prefix=PREFIX))
+    r_out, _ = reference_forward(q, k, v, **ref)
+    for got, want in zip((out.detach(), tq.grad, tk.grad, tv.grad), (r_out, *reference_backward(dout, q, k, v, **ref))):
+        assert relative_error(got.numpy(), want) < 6e-7
+    with torch.no_grad():
+        again, lse = flash_attention(tq, tk, tv, return_lse=True, **kw)
+    assert torch.equal(again, out.detach()) and lse.shape == (B, H, NQ)
