@@ -1,0 +1,124 @@
+"""Block masks: which (query tile, key tile) pairs of a mask hold any attended element.
+
+A dense mask, a mask modifier and the band (causal, window, key lengths) are
+summarised once per (batch, head, query tile, key tile) as
+
+* ``EMPTY`` (0): no element attended: the tile pair is skipped;
+* ``FULL`` (2): every element attended: no per-element mask is needed;
+* ``PARTIAL`` (1): some are: the elements come from :attr:`BlockMask.bits`,
+  the mask bit-packed along the keys (bit ``j % 32`` of word ``j // 32``).
+
+A :class:`BlockMask` is built once (here with numpy) and can be reused by
+every call and layer with the same mask and tile sizes, as FlexAttention's
+block mask is.  This module is the reference of the summary; the kernels
+that skip EMPTY pairs and read the bits follow in the masking issue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .semantics import band, normalize_causal, normalize_window
+
+__all__ = ["BlockMask", "build_block_mask", "EMPTY", "PARTIAL", "FULL"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """The block summary of a mask (see the module documentation).
+
+    Attributes
+    ----------
+    kinds : ndarray of int8, shape (B, H, Tr, Tc)
+        EMPTY, PARTIAL or FULL per (batch, head, query tile, key tile).
+    bits : ndarray of uint32, shape (B, H, Nq, ceil(Nk / 32))
+        The element mask, bit-packed along the keys.
+    block_q, block_k : int
+        Tile sizes ``Br`` and ``Bc``.
+    nq, nk : int
+        Query and key lengths.
+    """
+
+    kinds: np.ndarray
+    bits: np.ndarray
+    block_q: int
+    block_k: int
+    nq: int
+    nk: int
+
+    def allowed(self) -> np.ndarray:
+        """The element mask, (B, H, Nq, Nk) bool, unpacked from :attr:`bits`."""
+        j = np.arange(self.nk)
+        return ((self.bits[..., j // 32] >> (j % 32).astype(np.uint32)) & 1).astype(bool)
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of tile pairs that are EMPTY."""
+        return float(np.mean(self.kinds == EMPTY))
+
+
+def build_block_mask(B: int, H: int, Nq: int, Nk: int, *, block_q: int = 64, block_k: int = 64,
+                     causal: Any = False, window: Any = None, mask: Any = None, key_lengths: Any = None,
+                     mask_mod: Any = None, mod_tensors: Any = None) -> BlockMask:
+    """Summarise the masking rules of a call (:mod:`pycudaflash.semantics`).
+
+    Parameters
+    ----------
+    B, H, Nq, Nk : int
+        Batch, heads, query and key lengths.
+    block_q, block_k : int
+        Tile sizes.
+    causal, window, key_lengths : optional
+        As in :func:`pycudaflash.flash_attn_forward`.
+    mask : bool array broadcastable to (B, H, Nq, Nk), optional
+        True = attend.  (A float bias is not a condition: it has no block
+        summary.)
+    mask_mod, mod_tensors : optional
+        A mask modifier and its tensors (:mod:`pycudaflash.mods`).
+    """
+    for name, n in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk), ("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    mode = normalize_causal(causal)
+    left, right = normalize_window(window)
+    bnd = band(Nq, Nk, mode, left, right)
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    allowed = np.broadcast_to((j - i >= bnd.lo_off) & (j - i <= bnd.hi_off), (B, H, Nq, Nk))
+    if key_lengths is not None:
+        kl = np.asarray(key_lengths).astype(np.int64).reshape(B)
+        allowed = allowed & (j[None, None] < kl[:, None, None, None])
+    if mask is not None:
+        m = np.asarray(mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"a block mask summarises a bool mask, got {m.dtype}")
+        allowed = allowed & np.broadcast_to(m, (B, H, Nq, Nk))
+    if mask_mod is not None:
+        from .mods import Modifier
+
+        mm = mask_mod if isinstance(mask_mod, Modifier) else Modifier(mask_mod, mod_tensors, "mask")
+        allowed = allowed & np.broadcast_to(
+            mm.evaluate(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
+                        i=i[None, None], j=j[None, None], tensors=mod_tensors), (B, H, Nq, Nk))
+    allowed = np.ascontiguousarray(np.broadcast_to(allowed, (B, H, Nq, Nk)))
+    # Per tile pair: attended elements against the pair's size (edge tiles are smaller).
+    Tr, Tc = -(-Nq // block_q), -(-Nk // block_k)
+    padded = np.zeros((B, H, Tr * block_q, Tc * block_k), dtype=np.int32)
+    padded[:, :, :Nq, :Nk] = allowed
+    counts = padded.reshape(B, H, Tr, block_q, Tc, block_k).sum(axis=(3, 5))
+    rows = np.minimum(block_q, Nq - np.arange(Tr) * block_q)
+    cols = np.minimum(block_k, Nk - np.arange(Tc) * block_k)
+    size = rows[:, None] * cols[None, :]
+    kinds = np.where(counts == 0, EMPTY, np.where(counts == size, FULL, PARTIAL)).astype(np.int8)
+    # Bits: key j is bit j % 32 of word j // 32.
+    words = -(-Nk // 32)
+    padded_bits = np.zeros((B, H, Nq, words * 32), dtype=np.uint32)
+    padded_bits[..., :Nk] = allowed
+    weights = (np.uint32(1) << np.arange(32, dtype=np.uint32))
+    bits = (padded_bits.reshape(B, H, Nq, words, 32) * weights).sum(axis=-1, dtype=np.uint64).astype(np.uint32)
+    return BlockMask(kinds=kinds, bits=bits, block_q=int(block_q), block_k=int(block_k), nq=Nq, nk=Nk)

@@ -1,0 +1,62 @@
+"""Block masks (pycudaflash.blockmask): the summary per tile pair and the packed bits, against
+the element mask of the float64 reference's rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pycudaflash.blockmask import EMPTY, FULL, PARTIAL, build_block_mask
+from pycudaflash.reference import masked_scores
+
+
+def _allowed(B, H, Nq, Nk, **kw) -> np.ndarray:
+    """The reference's element mask: the finite entries of its masked scores."""
+    q, k = np.ones((B, H, Nq, 1)), np.ones((B, H, Nk, 1))
+    S, _ = masked_scores(q, k, scale=1.0, causal=kw.get("causal", False), window=kw.get("window"),
+                         mask=kw.get("mask"), key_lengths=kw.get("key_lengths"), mask_mod=kw.get("mask_mod"),
+                         mod_tensors=kw.get("mod_tensors"))
+    return np.isfinite(S)
+
+
+@given(data=st.data())
+def test_summary_and_bits_agree_with_the_element_mask(data) -> None:
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    Nq, Nk = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    bq, bk = data.draw(st.sampled_from([16, 32, 64])), data.draw(st.sampled_from([16, 32, 64]))
+    kw = {}
+    if data.draw(st.booleans()):
+        kw["causal"] = data.draw(st.sampled_from([True, "bottom_right"]))
+    if data.draw(st.booleans()):
+        kw["window"] = (data.draw(st.integers(-1, 40)), data.draw(st.integers(-1, 40)))
+    if data.draw(st.booleans()):
+        kw["key_lengths"] = np.array([data.draw(st.integers(0, Nk)) for _ in range(B)])
+    seed = data.draw(st.integers(0, 2**16))
+    if data.draw(st.booleans()):
+        kw["mask"] = np.random.default_rng(seed).random((B, 1, Nq, Nk)) < data.draw(st.sampled_from([0.02, 0.5, 1.0]))
+    if data.draw(st.booleans()):
+        doc = np.sort(np.random.default_rng(seed + 1).integers(0, 4, (B, max(Nq, Nk))), axis=1)
+        kw.update(mask_mod="doc[b, i] == doc[b, j]", mod_tensors={"doc": doc})
+    want = _allowed(B, H, Nq, Nk, **kw)
+    bm = build_block_mask(B, H, Nq, Nk, block_q=bq, block_k=bk, **kw)
+    assert np.array_equal(bm.allowed(), want)
+    for r in range(bm.kinds.shape[2]):
+        for c in range(bm.kinds.shape[3]):
+            tile = want[:, :, r * bq:(r + 1) * bq, c * bk:(c + 1) * bk]
+            expect = np.where(~tile.any(axis=(2, 3)), EMPTY, np.where(tile.all(axis=(2, 3)), FULL, PARTIAL))
+            assert np.array_equal(bm.kinds[:, :, r, c], expect), (r, c)
+
+
+def test_causal_blocks_of_a_long_sequence() -> None:
+    bm = build_block_mask(1, 1, 256, 256, block_q=64, block_k=64, causal=True)
+    assert bm.kinds[0, 0].tolist() == [[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]]
+    assert bm.sparsity == 6 / 16
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="Nq must be a positive int"):
+        build_block_mask(1, 1, 0, 4)
+    with pytest.raises(TypeError, match="summarises a bool mask"):
+        build_block_mask(1, 1, 4, 4, mask=np.zeros((4, 4), np.float32))
