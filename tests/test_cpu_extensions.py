@@ -4,6 +4,8 @@ issue)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -143,3 +145,22 @@ def test_torch_op_with_modifiers_and_grouped_heads_on_the_cpu() -> None:
     with torch.no_grad():
         again, lse = flash_attention(tq, tk, tv, return_lse=True, **kw)
     assert torch.equal(again, out.detach()) and lse.shape == (B, H, NQ)
+
+
+def test_torch_op_with_grouped_heads_compiles_without_a_graph_break() -> None:
+    torch = pytest.importorskip("torch")
+    from pycudaflash.torch import flash_attention
+
+    q, k, v, dout = (torch.from_numpy(x).requires_grad_() for x in _inputs(hkv=2, seed=17))
+
+    def f(q: Any, k: Any, v: Any) -> Any:
+        return flash_attention(q, k, v, causal=True)
+
+    eager = f(q, k, v)
+    g_eager = torch.autograd.grad(eager, (q, k, v), dout)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    g_compiled = torch.autograd.grad(compiled, (q, k, v), dout)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(g_eager, g_compiled):
+        assert torch.equal(a, b)
+    assert g_compiled[1].shape == k.shape
