@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional, Tuple
 
-from ._problem import Problem
+from ._problem import NUMPY_ONLY, Problem
 
 BACKENDS = ("cuda", "numpy")
 
@@ -55,7 +55,5 @@ def choose_backend(prob: Problem, backend: Optional[str], stream: Any) -> str:
     if backend == "cuda" and not usable:
         raise RuntimeError(f"backend='cuda' was requested but {reason}")
     if usable and not prob.plain:
-        from ._validate import _NUMPY_ONLY
-
-        raise ValueError(_NUMPY_ONLY)
+        raise ValueError(NUMPY_ONLY)
     return "cuda" if usable else "numpy"

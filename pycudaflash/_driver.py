@@ -225,7 +225,8 @@ def launch(fn: int, grid: Tuple[int, int, int], block: Tuple[int, int, int], sme
     spent about 6 us of Python argument handling per launch, the ctypes call
     about 1 us.  Every other entry point goes through cuda-bindings.
     """
-    code = _libcuda("cuLaunchKernel")(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, None)
+    code = _libcuda("cuLaunchKernel")(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                                      params, None)
     if code:
         _check_result("cuLaunchKernel", (driver().CUresult(code),))
 
@@ -320,8 +321,15 @@ def pointer_device(ptr: int) -> Optional[int]:
 # ------------------------------------------------------- capture and graphs
 
 
+#: The legacy and per-thread default stream handles, which are never captured.
+DEFAULT_STREAMS = (0, 1, 2)
+
+
 def is_capturing(stream: int) -> bool:
-    """Whether ``stream`` is being captured into a graph."""
+    """Whether ``stream`` is being captured into a graph (never a default stream: asking the driver
+    about the legacy stream while another stream captures would itself break that capture)."""
+    if stream in DEFAULT_STREAMS:
+        return False
     status = check("cuStreamIsCapturing", stream)
     return int(status) != int(driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
@@ -386,7 +394,7 @@ class capture:
         from ._streams import stream_handle
 
         self.handle = stream_handle(stream)
-        if self.handle in (0, 1, 2):
+        if self.handle in DEFAULT_STREAMS:
             raise ValueError("capture needs a non-default stream (the default stream cannot be captured)")
         self.graph = Graph()
         self.graph.stream = self.handle

@@ -40,6 +40,11 @@ class Operand:
         return self.kind == "device"
 
 
+#: Why a call with modifiers or grouped K/V heads is refused where the CUDA kernels would run it.
+NUMPY_ONLY = ("score_mod, mask_mod and k, v with fewer heads than q run on the NumPy backend only so far: "
+              "pass numpy arrays (or torch CPU tensors) with backend='numpy'")
+
+
 @dataclass(frozen=True)
 class Problem:
     """A validated forward or backward call.

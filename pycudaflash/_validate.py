@@ -17,7 +17,7 @@ import numpy as np
 
 from . import semantics
 from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only, overlaps
-from ._problem import Operand, Problem
+from ._problem import NUMPY_ONLY, Operand, Problem
 
 __all__ = [
     "LSE_DTYPE",
@@ -496,7 +496,7 @@ def _make_problem(
     q = ops["q"]
     score_mod, mask_mod, tensors = _check_mods(*mods)
     if q.on_device and (score_mod is not None or mask_mod is not None or dims.Hkv != dims.H):
-        raise ValueError(_NUMPY_ONLY)
+        raise ValueError(NUMPY_ONLY)
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
         scale=scale_value, causal=causal_mode, window_left=left, window_right=right,
@@ -507,11 +507,6 @@ def _make_problem(
         dv=ops.get("dv"), deterministic=deterministic, Hkv=dims.Hkv, score_mod=score_mod,
         mask_mod=mask_mod, mod_tensors=tensors,
     )
-
-
-#: Why a call with modifiers or grouped K/V heads is refused on the GPU.
-_NUMPY_ONLY = ("score_mod, mask_mod and k, v with fewer heads than q run on the NumPy backend only so far: "
-               "pass numpy arrays (or torch CPU tensors) with backend='numpy'")
 
 
 def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any) -> Tuple[Any, Any, Optional[dict]]:
@@ -527,7 +522,7 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any) -> Tuple[Any, A
     tensors = {}
     for name, t in (mod_tensors or {}).items():
         if getattr(t, "__cuda_array_interface__", None) is not None or getattr(t, "is_cuda", False):
-            raise TypeError(f"mod_tensors[{name!r}] is a device array; {_NUMPY_ONLY}")
+            raise TypeError(f"mod_tensors[{name!r}] is a device array; {NUMPY_ONLY}")
         tensors[name] = np.asarray(t)
     out = []
     for m, role in ((score_mod, "score"), (mask_mod, "mask")):

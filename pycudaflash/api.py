@@ -123,7 +123,7 @@ def flash_attn_forward(
     return _run("fwd", (q, k, v, out, lse, mask), (causal, window, scale, backend, dtype), key_lengths, stream,
                 backend, lambda: _validate.validate_forward(
                     q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), _plain(mods))
+                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), _without_mods(mods))
 
 
 def flash_attn_backward(
@@ -196,10 +196,10 @@ def flash_attn_backward(
                 lambda: _validate.validate_backward(
                     dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
                     key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), _plain(mods))
+                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), _without_mods(mods))
 
 
-def _plain(mods: Dict[str, Any]) -> bool:
+def _without_mods(mods: Dict[str, Any]) -> bool:
     """No modifier: a call the fast path may serve."""
     return mods["score_mod"] is None and mods["mask_mod"] is None and mods["mod_tensors"] is None
 

@@ -48,7 +48,6 @@ class _Mods:
 
     def __init__(self, score_mod: Any, mask_mod: Any, tensors: Any, B: int, H: int) -> None:
         self.score, self.mask, self.tensors = score_mod, mask_mod, tensors
-        self.slope = score_mod.derivative() if score_mod is not None else None
         self.b, self.h = np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None]
 
     def positions(self, i0: int, i1: int, j0: int, j1: int) -> Dict[str, Any]:
@@ -119,7 +118,7 @@ def _scores(
     if mods is not None and mods.score is not None:
         pos = mods.positions(i0, i1, j0, j1)
         if slope:
-            dmod = np.broadcast_to(mods.slope.evaluate(Sij, **pos), Sij.shape).astype(_F32)
+            dmod = np.broadcast_to(mods.score.derivative().evaluate(Sij, **pos), Sij.shape).astype(_F32)
         with np.errstate(over="ignore"):
             Sij = np.broadcast_to(mods.score.evaluate(Sij, **pos), Sij.shape).astype(_F32)
     if allowed is not None:
@@ -138,6 +137,14 @@ def _keys_seen(B: int, H: int, Nq: int, Nk: int, bnd: Band, key_lengths: Optiona
                mask: Optional[np.ndarray], Br: int, Bc: int, mods: Optional[_Mods] = None) -> np.ndarray:
     """(B, H, Nk) bool: whether any query row may see each key.  A key no row may see is
     zeroed where it is loaded, so that a NaN or Inf stored in it changes nothing."""
+    j = np.arange(Nk)
+    # Band and key lengths alone: key j is seen when some row 0 <= i < Nq has lo <= j - i <= hi.
+    by_band = (j >= bnd.lo_off) & (j <= Nq - 1 + bnd.hi_off)
+    if key_lengths is not None:
+        by_band = by_band & (j[None, :] < key_lengths[:, None])
+    if (mask is None or mask.dtype != np.bool_) and (mods is None or mods.mask is None):
+        return np.broadcast_to(np.broadcast_to(by_band, (B, Nk))[:, None, :], (B, H, Nk))
+    # A dense bool mask or a mask modifier: the columns of every tile pair the band reaches.
     seen = np.zeros((B, H, Nk), dtype=bool)
     for j0 in range(0, Nk, Bc):
         j1 = min(j0 + Bc, Nk)

@@ -396,6 +396,11 @@ class _Plan:
         self.out_dtypes = tuple(np.dtype(np.float32) if i == self.L else prob.dtype for i in self.OUTPUTS)
         self.dims = (prob.B, prob.H, prob.Nq, prob.Nk, prob.D)
 
+    def values(self, ptrs: Sequence[int]) -> List[int]:
+        """The value slots of a launch: the operands' pointers (:data:`OPERANDS` order), then zeros for
+        the key lengths, workspace and job counter (set by :func:`execute`)."""
+        return [*ptrs, *(0,) * (self.N_VALS - len(ptrs))]
+
     def launch(self, vals: List[int], ctx: int, stream: int) -> None:
         """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place)."""
         if self.counter:
@@ -582,33 +587,29 @@ def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl
     caller owns one (``workspace``, at least ``plan.ws_bytes``).
     """
     if plan.ws_bytes == 0 or workspace:
-        vals[plan.WS] = workspace
-        _put_key_lengths(plan, vals, kl_host, stream)
-        plan.launch(vals, ctx, stream)
+        _launch_with(plan, vals, ctx, stream, kl_host, workspace)
         return
     torch = _torch_current(like, stream)
     if torch is not None:
-        buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)
-        vals[plan.WS] = buf.data_ptr()
-        _put_key_lengths(plan, vals, kl_host, stream)
-        plan.launch(vals, ctx, stream)
+        buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)  # (freed after the launches, in stream order)
+        _launch_with(plan, vals, ctx, stream, kl_host, buf.data_ptr())
         return
     base = _driver.alloc_async(plan.ws_bytes, device, stream)
     try:
-        vals[plan.WS] = base
-        _put_key_lengths(plan, vals, kl_host, stream)
-        plan.launch(vals, ctx, stream)
+        _launch_with(plan, vals, ctx, stream, kl_host, base)
     finally:
         _driver.free_async(base, stream)
 
 
-def _put_key_lengths(plan: _Plan, vals: List[int], kl_host: Optional[np.ndarray], stream: int) -> None:
-    """Copy host key lengths into the workspace (device key lengths are read in place)."""
-    if kl_host is None or plan.kl_offset < 0:
-        return
-    dst = vals[plan.WS] + plan.kl_offset
-    _driver.memcpy_htod_async(dst, kl_host.ctypes.data, kl_host.nbytes, stream)
-    vals[plan.KL] = dst
+def _launch_with(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Optional[np.ndarray],
+                 workspace: int) -> None:
+    """Launch ``plan`` with ``workspace``, host key lengths copied into it first."""
+    vals[plan.WS] = workspace
+    if kl_host is not None and plan.kl_offset >= 0:
+        dst = workspace + plan.kl_offset
+        _driver.memcpy_htod_async(dst, kl_host.ctypes.data, kl_host.nbytes, stream)
+        vals[plan.KL] = dst
+    plan.launch(vals, ctx, stream)
 
 
 def empty_like_input(like: Any, shape: Tuple[int, ...], dtype: np.dtype, device: int, stream: int) -> Any:
@@ -691,7 +692,7 @@ OPERANDS = {
     "fwd": ("q", "k", "v", "out", "lse", "mask"),
     "bwd": ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "mask"),
 }
-_PLANS = {"fwd": lambda: ForwardPlan, "bwd": lambda: BackwardPlan}
+_PLANS = {"fwd": ForwardPlan, "bwd": BackwardPlan}
 
 
 def plan(prob: Problem, kind: str) -> Tuple[_Plan, int, int]:
@@ -700,7 +701,7 @@ def plan(prob: Problem, kind: str) -> Tuple[_Plan, int, int]:
     try:
         device = _driver.context_device(ctx)
         _check_device(prob, device)
-        cls = _PLANS[kind]()
+        cls = _PLANS[kind]
         names = OPERANDS[kind][:-1]
         shapes = dict(zip((names[i] for i in cls.OUTPUTS), _output_shapes(prob, kind)))
         ptrs = [op.ptr for op in (getattr(prob, n) for n in OPERANDS[kind]) if op is not None]
@@ -747,12 +748,13 @@ def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int]
     (0: one per call).
     """
     like = objs[0]
-    vals = list(ptrs) + [0] * (plan_.N_VALS - len(ptrs))
+    vals = plan_.values(ptrs)
+    if any(objs[i] is None for i in plan_.OUTPUTS):
+        _refuse_capture(like, stream, plan_.OUTPUT_NAMES)
     outs = []
     for i, shape, dtype in zip(plan_.OUTPUTS, plan_.shapes, plan_.out_dtypes):
         o = objs[i]
         if o is None:
-            _refuse_capture(like, stream, plan_.OUTPUT_NAMES)
             o = empty_like_input(like, shape, dtype, device, stream)
             vals[i] = _ptr(o)
         outs.append(o)
@@ -769,7 +771,7 @@ def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int,
         return None
     if kl_host is None:
         return None
-    if stream not in (0, 1, 2) and _driver.is_capturing(stream):
+    if _driver.is_capturing(stream):
         raise ValueError("key_lengths given on the host cannot be captured into a graph: pass them as an int32 "
                          "device tensor to pycudaflash.torch.flash_attention")
     return kl_host
@@ -778,7 +780,7 @@ def _key_lengths_arg(plan: _Plan, vals: List[int], stream: int, device_kl: int,
 def _refuse_capture(like: Any, stream: int, names: str) -> None:
     """Outputs allocated here (outside torch's graph-aware allocator) would be freed and reused while a
     captured graph still writes them."""
-    if _torch_current(like, stream) is None and stream not in (0, 1, 2) and _driver.is_capturing(stream):
+    if _torch_current(like, stream) is None and _driver.is_capturing(stream):
         raise ValueError(f"a call captured into a graph must be given its output buffers ({names})")
 
 
@@ -817,12 +819,12 @@ def _run_host(prob: Problem, stream: Any, kind: str):
     try:
         device = _driver.context_device(ctx)
         handle = 0 if stream is None else stream_handle(stream)
-        fwd = kind == "fwd"
-        in_names = ("q", "k", "v") if fwd else ("q", "k", "v", "out", "dout", "lse")
-        out_names = ("out", "lse") if fwd else ("dq", "dk", "dv")
-        qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
-        out_shapes = {"out": qs, "lse": qs[:3], "dq": qs, "dk": ks, "dv": ks}
-        arrays: Dict[str, np.ndarray] = {n: np.ascontiguousarray(getattr(prob, n).array) for n in in_names}
+        cls = _PLANS[kind]
+        names = OPERANDS[kind]
+        out_names = [names[i] for i in cls.OUTPUTS]
+        out_shapes = dict(zip(out_names, _output_shapes(prob, kind)))
+        arrays: Dict[str, np.ndarray] = {n: np.ascontiguousarray(getattr(prob, n).array)
+                                         for n in names[:-1] if n not in out_shapes}
         mask_strides = None
         if prob.mask is not None:
             m = prob.mask
@@ -845,17 +847,11 @@ def _run_host(prob: Problem, stream: Any, kind: str):
             strides = {n: c_strides(a.shape) for n, a in list(arrays.items()) + list(staged.items())}
             if mask_strides is not None:
                 strides["mask"] = mask_strides
-            ptr = {n: base + off for n, off in offsets.items()}
-            if fwd:
-                plan: _Plan = ForwardPlan(prob, strides, True)
-                vals = [ptr["q"], ptr["k"], ptr["v"], ptr["out"], ptr["lse"], ptr.get("mask", 0), 0, 0, 0]
-            else:
-                plan = BackwardPlan(prob, strides, True)
-                vals = [ptr[n] for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")]
-                vals += [ptr.get("mask", 0), 0, 0]
+            plan: _Plan = cls(prob, strides, True)
+            vals = plan.values([base + offsets[n] if n in offsets else 0 for n in names])
             execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0, prob.key_lengths), None)
             for n, a in staged.items():
-                _driver.memcpy_dtoh_async(a.ctypes.data, ptr[n], a.nbytes, handle)
+                _driver.memcpy_dtoh_async(a.ctypes.data, base + offsets[n], a.nbytes, handle)
         finally:
             _driver.free_async(base, handle)
         _driver.synchronize(handle)

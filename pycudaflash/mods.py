@@ -288,8 +288,7 @@ class Modifier:
         modifier is bool-valued and may not.
     """
 
-    def __init__(self, src: str, tensors: Optional[Mapping[str, Any]] = None, role: str = "score",
-                 _node: Optional[Node] = None) -> None:
+    def __init__(self, src: str, tensors: Optional[Mapping[str, Any]] = None, role: str = "score") -> None:
         if role not in ("score", "mask"):
             raise ValueError(f"role must be 'score' or 'mask', got {role!r}")
         tensors = dict(tensors or {})
@@ -298,7 +297,8 @@ class Modifier:
                 raise ValueError(f"mod_tensors: {name!r} cannot name a tensor")
         self.src, self.role = src, role
         self.signature: Dict[str, Tuple[Kind, int]] = {name: _describe(name, t) for name, t in tensors.items()}
-        self.node: Node = _node if _node is not None else _Parser(src, self.signature, role == "score").parse()
+        self.node: Node = _Parser(src, self.signature, role == "score").parse()
+        self._derivative: Optional["Modifier"] = None
         want = "float" if role == "score" else "bool"
         if self.node.kind == "int" and want == "float":
             self.node = Call("float", (self.node,), "float")
@@ -332,13 +332,15 @@ class Modifier:
     # ------------------------------------------------------------ backward
 
     def derivative(self) -> "Modifier":
-        """d(score_mod)/d(score) as a modifier of its own (same tensors)."""
+        """d(score_mod)/d(score) as a modifier of its own (same tensors), derived once."""
         if self.role != "score":
             raise ValueError("only a score_mod has a derivative")
-        d = _simplify(_deriv(self.node))
-        m = Modifier.__new__(Modifier)
-        m.src, m.role, m.signature, m.node = f"d/dscore({self.src})", "score", dict(self.signature), d
-        return m
+        if self._derivative is None:
+            m = Modifier.__new__(Modifier)
+            m.src, m.role, m.signature = f"d/dscore({self.src})", "score", dict(self.signature)
+            m.node, m._derivative = _simplify(_deriv(self.node)), None
+            self._derivative = m
+        return self._derivative
 
     # ------------------------------------------------------------------ CUDA
 

@@ -218,11 +218,13 @@ def reference_forward(
         Natural-log log-sum-exp of each row of ``S``; ``-inf`` on rows that see
         no key.
     """
-    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
+    q64 = _as_f64(q)
+    # K/V heads repeated for grouped queries.
+    k64, v64 = _heads(_as_f64(k), q64.shape[1], "k"), _heads(_as_f64(v), q64.shape[1], "v")
     S, _, _, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
     P, lse = softmax_parts(S)
     # O = P V (keys no query may see read as zeros).
-    out = np.matmul(P, np.where(seen[..., None], _heads(v64, q64.shape[1], "v"), 0.0))
+    out = np.matmul(P, np.where(seen[..., None], v64, 0.0))
     return out, lse
 
 
@@ -258,14 +260,14 @@ def reference_backward(
         Gradients of the loss; rows that see no key contribute nothing and get
         ``dq = 0``.
     """
-    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
-    dO = _as_f64(dout)
+    q64, dO = _as_f64(q), _as_f64(dout)
+    # K/V heads repeated for grouped queries.
+    hkv = np.shape(k)[1]
+    k64, v64 = _heads(_as_f64(k), q64.shape[1], "k"), _heads(_as_f64(v), q64.shape[1], "v")
     S, s, dmod, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod,
                                mod_tensors, slope=True)
-    # K/V heads repeated for grouped queries; keys no query may see read as zeros.
-    hkv = k64.shape[1]
-    k64 = np.where(seen[..., None], _heads(k64, q64.shape[1], "k"), 0.0)
-    v64 = np.where(seen[..., None], _heads(v64, q64.shape[1], "v"), 0.0)
+    # Keys no query may see read as zeros.
+    k64, v64 = np.where(seen[..., None], k64, 0.0), np.where(seen[..., None], v64, 0.0)
     # P = exp(S - lse), 0 on masked positions and on rows that see no key.
     P, _ = softmax_parts(S)
     O = np.matmul(P, v64)

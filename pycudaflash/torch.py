@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _calls, _driver, _validate, cuda_backend
+from ._problem import NUMPY_ONLY
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["flash_attention"]
@@ -134,9 +135,7 @@ def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Opti
     if torch.compiler.is_compiling():
         raise ValueError("score_mod, mask_mod and mod_tensors do not run under torch.compile yet")
     if q.is_cuda:
-        from ._validate import _NUMPY_ONLY
-
-        raise ValueError(_NUMPY_ONLY)
+        raise ValueError(NUMPY_ONLY)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
     out, lse = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
@@ -264,7 +263,7 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
         _check_device_key_lengths(kl, q)
         hit = _calls.remember(key, cuda_backend.plan(validate(), kind))
     plan, _, device, _ = hit
-    vals = [*ptrs, *(0,) * (plan.N_VALS - len(ptrs))]  # (key lengths, workspace, job counter: set below)
+    vals = plan.values(ptrs)
     kl_host = None
     if kl is not None:
         if kl.is_cuda:

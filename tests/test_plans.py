@@ -87,3 +87,10 @@ def test_host_key_lengths_checked_per_call() -> None:
         _validate.host_key_lengths([1, 2, 3], 2, 5)
     with pytest.raises(TypeError, match="integer dtype"):
         _validate.host_key_lengths(np.array([1.0, 2.0]), 2, 5)
+
+
+def test_default_streams_are_never_captured_and_the_driver_is_not_asked() -> None:
+    from pycudaflash import _driver
+
+    for handle in _driver.DEFAULT_STREAMS:
+        assert _driver.is_capturing(handle) is False

@@ -63,3 +63,20 @@ def test_a_seen_key_still_carries_its_nan() -> None:
     assert np.isnan(out[0, 0]).all()
     ref, _ = reference_forward(Q, K, Vp)
     assert np.isnan(ref[0, 0]).all()
+
+
+@pytest.mark.parametrize("causal, left, right", [("none", -1, -1), ("top_left", -1, -1), ("bottom_right", 5, -1),
+                                                 ("none", 3, 2), ("top_left", 40, -1)])
+def test_keys_seen_by_the_band_alone_match_the_tile_walk(causal: str, left: int, right: int) -> None:
+    """The NumPy backend derives the seen keys of a band and key lengths directly; the walk over
+    tile pairs (taken with a dense mask, here one that excludes nothing) must agree."""
+    from pycudaflash import cpu
+    from pycudaflash.semantics import band
+
+    kl = np.array([30, 53])
+    for nq, nk in ((NQ, NK), (NK, NQ)):
+        bnd = band(nq, nk, causal, left, right)
+        direct = cpu._keys_seen(B, H, nq, nk, bnd, kl, int(kl.min()), None, 16, 16)
+        walked = cpu._keys_seen(B, H, nq, nk, bnd, kl, int(kl.min()), np.ones((B, H, nq, nk), bool), 16, 16)
+        assert np.array_equal(direct, walked)
+        assert not direct.all()
