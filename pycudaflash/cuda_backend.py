@@ -143,7 +143,7 @@ class _Kernel:
     written at launch time, everything else is fixed.
     """
 
-    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs")
+    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs", "_launch")
 
     def __init__(self, name: str, fn: Any, grid: Tuple[int, int, int], threads: int, smem: int,
                  fmt: str, args: Sequence[Any]) -> None:
@@ -164,12 +164,13 @@ class _Kernel:
             else:
                 self.slots[i] = _bits(code, arg)
         self.refs = tuple(refs)
+        self._launch = _driver.Launch(self.fn, self.grid, self.block, self.smem, self.addr)
 
     def launch(self, vals: Sequence[int], stream: int) -> None:
         slots = self.slots
         for i, src, off in self.refs:
             slots[i] = vals[src] + off
-        _driver.launch(self.fn, self.grid, self.block, self.smem, stream, self.addr)
+        self._launch(stream)
 
 
 # ------------------------------------------------------- per-stream device state

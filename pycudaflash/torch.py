@@ -125,7 +125,7 @@ def flash_attention(
             return _Attention.apply(q, k, v, mask, kl, opts, deterministic, False)
         out, lse = _Attention.apply(q, k, v, mask, kl, opts, deterministic, True)
     else:
-        out, lse = _forward_impl(q, k, v, mask, kl, opts, return_lse)
+        out, lse, _ = _forward_impl(q, k, v, mask, kl, opts, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -138,7 +138,7 @@ def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Opti
         raise ValueError(NUMPY_ONLY)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
-    out, lse = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
+    out, lse, _ = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
     return (out, lse) if return_lse else out
 
 
@@ -283,10 +283,11 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
 
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
                   opts: Tuple[Any, ...], need_lse: bool = True,
-                  mods: Optional[Dict[str, Any]] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """Forward pass into new tensors: ``out`` laid out by :func:`empty_like_layout`, ``lse``
-    contiguous (on CUDA, None and not stored unless ``need_lse``).  ``mods``: the modifier
-    arguments of the plain API (CPU only)."""
+                  mods: Optional[Dict[str, Any]] = None) -> Tuple[Tensor, Optional[Tensor], Any]:
+    """Forward pass into new tensors: ``(out, lse, key)`` with ``out`` laid out by
+    :func:`empty_like_layout`, ``lse`` contiguous (on CUDA, None and not stored unless
+    ``need_lse``) and ``key`` the call's plan-cache key (None on the CPU), from which the eager
+    backward derives its own.  ``mods``: the modifier arguments of the plain API (CPU only)."""
     causal, left, right, scale = opts
     causal_arg = causal if causal != "none" else False
     out = empty_like_layout(q)
@@ -296,22 +297,31 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         flash_attn_forward(q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=kl,
                            scale=scale, out=out, lse=lse, backend="numpy", **(mods or {}))
-        return out, lse
+        return out, lse, None
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if need_lse else None
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
             0 if mask is None else mask.data_ptr())
-    _launch("fwd", _signature("fwd", (q, k, v), mask, kl, opts, ptrs),
+    key = _signature("fwd", (q, k, v), mask, kl, opts, ptrs)
+    _launch("fwd", key,
             lambda: _validate.validate_forward(
                 q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=_host_key_lengths(kl),
                 scale=scale, out=out, lse=lse),
             ptrs, kl, q)
-    return out, lse
+    return out, lse, key
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    mask: Optional[Tensor], kl: Optional[Tensor], opts: Tuple[Any, ...],
-                   deterministic: bool, mods: Optional[Dict[str, Any]] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward pass into new tensors laid out like q, k and v."""
+                   deterministic: bool, mods: Optional[Dict[str, Any]] = None,
+                   fwd_key: Any = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward pass into new tensors laid out like q, k and v.
+
+    ``fwd_key``: the plan-cache key of the forward call that made ``out`` and
+    ``lse`` from these q, k, v, mask and key lengths (the eager autograd
+    path).  It stands for their part of the backward's key, which then only
+    adds what autograd leaves open: the strides of ``dout`` (its shape, dtype
+    and device are those of ``out``) and the alignment of the new pointers.
+    """
     causal, left, right, scale = opts
     causal_arg = causal if causal != "none" else False
     dout = _last_dim_contiguous(dout)
@@ -325,7 +335,12 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         return dq, dk, dv
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if mask is None else mask.data_ptr())
-    _launch("bwd", _signature("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,), ptrs),
+    if fwd_key is None:
+        key = _signature("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,), ptrs)
+    else:
+        key = ("torch-bwd-of", fwd_key, dout.stride(), (ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 == 0,
+               deterministic)
+    _launch("bwd", key,
             lambda: _validate.validate_backward(
                 dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
                 key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv),
@@ -344,9 +359,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
                 opts: Tuple[Any, ...], deterministic: bool, return_lse: bool,
                 mods: Optional[Dict[str, Any]] = None) -> Any:
-        out, lse = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
+        out, lse, key = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
         ctx.save_for_backward(q, k, v, out, lse, mask, kl)
-        ctx.args = (opts, deterministic, mods)
+        ctx.args = (opts, deterministic, mods, key)
         if not return_lse:
             return out
         ctx.mark_non_differentiable(lse)
@@ -378,7 +393,7 @@ def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengt
               causal: str, window_left: int, window_right: int, scale: float,
               deterministic: bool) -> Tuple[Tensor, Tensor]:
     """Forward operator: ``(out, lse)``; ``deterministic`` is kept for the backward."""
-    return _forward_impl(q, k, v, mask, key_lengths, (causal, window_left, window_right, scale))
+    return _forward_impl(q, k, v, mask, key_lengths, (causal, window_left, window_right, scale))[:2]
 
 
 def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor],

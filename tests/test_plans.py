@@ -6,11 +6,12 @@ from __future__ import annotations
 import ctypes
 import struct
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from pycudaflash import _calls, _validate
+from pycudaflash import _calls, _driver, _validate
 from pycudaflash._arrays import byte_span
 from pycudaflash._streams import stream_handle
 from pycudaflash.cuda_backend import _bits, _Kernel, _Ref
@@ -47,7 +48,21 @@ def test_parameter_bits() -> None:
     assert _bits("P", 0x7F0000001000) == 0x7F0000001000
 
 
-def test_kernel_packs_fixed_parameters_and_references() -> None:
+class _FakeLaunch:
+    """Stands for libcuda's cuLaunchKernel: records the integer value of every argument."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.restype = None
+
+    def __call__(self, *args: Any) -> int:
+        self.calls.append(tuple(None if a is None else a.value for a in args))
+        return 0
+
+
+def test_kernel_packs_fixed_parameters_and_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeLaunch()
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: fake)
     k = _Kernel("k", 0x1234, (3, 2, 1), 128, 4096, "PiqfP", (_Ref(2, 64), -3, 1 << 40, 0.25, 0))
     assert k.fn == 0x1234 and k.grid == (3, 2, 1) and k.block == (128, 1, 1) and k.smem == 4096
     assert list(k.slots) == [0, 0xFFFFFFFD, 1 << 40, _bits("f", 0.25), 0]
@@ -55,6 +70,12 @@ def test_kernel_packs_fixed_parameters_and_references() -> None:
     # The argument-pointer array points at the slots, 8 bytes apart.
     base = ctypes.addressof(k.slots)
     assert [k.addrs[i] for i in range(5)] == [base + 8 * i for i in range(5)]
+    # A launch writes the referenced pointer (value 2 plus offset 64) and passes the rest as packed.
+    k.launch([0, 0, 0x7F0000002000], 0x5000)
+    assert k.slots[0] == 0x7F0000002040
+    assert fake.calls == [(0x1234, 3, 2, 1, 128, 1, 1, 4096, 0x5000, k.addr, None)]
+    k.launch([0, 0, 0x100], 0)  # the default stream: a null handle
+    assert k.slots[0] == 0x140 and fake.calls[-1][8] is None
     with pytest.raises(ValueError, match="format"):
         _Kernel("k", 1, (1, 1, 1), 32, 0, "i", (_Ref(0),))
     with pytest.raises(ValueError, match="arguments"):
