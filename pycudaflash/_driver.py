@@ -101,16 +101,22 @@ def current_context() -> int:
     """Handle of the calling thread's current context (0: none).
 
     Called on every launch, so it goes to libcuda through ``ctypes`` (as
-    :func:`launch` does): half the host time of the cuda-bindings call.
+    :class:`Launch` does): half the host time of the cuda-bindings call.
+    The handle is written into a buffer of the calling thread's own (the
+    call releases the GIL, and another thread may ask at the same time).
     """
-    code = _libcuda("cuCtxGetCurrent")(_current_out_ref)
+    try:
+        out, ref = _current_out.buf
+    except AttributeError:
+        out = ctypes.c_void_p()
+        out, ref = _current_out.buf = (out, ctypes.byref(out))
+    code = _libcuda("cuCtxGetCurrent")(ref)
     if code:
         _check_result("cuCtxGetCurrent", (driver().CUresult(code),))
-    return _current_out.value or 0
+    return out.value or 0
 
 
-_current_out = ctypes.c_void_p()
-_current_out_ref = ctypes.byref(_current_out)
+_current_out = threading.local()
 
 
 def context_device(ctx: int) -> int:
