@@ -225,16 +225,17 @@ def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], k
     (:func:`empty_like_layout` of them) and the saved ``out`` and ``lse``
     follow from those.  Whether every pointer is 16-byte aligned is part of it.
     """
-    key = ["torch", kind, tensors[0].get_device(), opts, _kl_key(kl)]
-    for t in tensors:
-        key += (t.shape, t.stride(), t.dtype)
-    if mask is not None:
-        key += (mask.shape, mask.stride(), mask.dtype)
     low = 0
     for p in ptrs:
         low |= p
-    key.append(low & 15 == 0)
-    return tuple(key)
+    q, k, v = tensors[0], tensors[1], tensors[2]
+    key: Tuple[Any, ...] = (
+        "torch", kind, q.get_device(), opts, None if kl is None else _kl_key(kl), low & 15 == 0,
+        q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+        None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+    for t in tensors[3:]:
+        key += (t.shape, t.stride(), t.dtype)
+    return key
 
 
 def _host_key_lengths(kl: Optional[Tensor]) -> Any:
