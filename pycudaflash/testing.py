@@ -384,6 +384,23 @@ def relative_error(out: Any, ref: Any, floor: Any = None) -> float:
 # --------------------------------------------------------------------------
 
 
+def _repeat_heads(x: np.ndarray, H: int) -> np.ndarray:
+    """K or V with ``Hkv`` heads repeated to the ``H`` heads of q (query head h reads
+    K/V head ``h // (H // Hkv)``); x itself where the counts agree."""
+    Hkv = x.shape[1]
+    return x if Hkv == H else np.repeat(x, H // Hkv, axis=1)
+
+
+def _sum_groups(x: np.ndarray, Hkv: int, combine: str = "sum") -> np.ndarray:
+    """(B, H, ...) per-query-head terms of K/V heads summed over each group of ``H // Hkv``
+    heads (``combine='rss'``: the root of the sum of squares, for floors)."""
+    B, H = x.shape[:2]
+    if Hkv == H:
+        return x
+    g = x.reshape(B, Hkv, H // Hkv, *x.shape[2:])
+    return np.sum(g, axis=2) if combine == "sum" else np.sqrt(np.sum(g * g, axis=2))
+
+
 def _row_norms(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.sum(x * x, axis=-1))
 
@@ -436,8 +453,9 @@ def noise_floors(
 
     Parameters
     ----------
-    q, k, v : array-like, shapes (B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)
-        The inputs.
+    q, k, v : array-like, shapes (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)
+        The inputs (``Hkv`` divides ``H``; a K/V head's floors for dk and dv
+        combine those of its group's query heads as a root of summed squares).
     dout : array-like, shape (B, H, Nq, D), optional
         Output gradient; without it only ``'out'`` and ``'lse'`` are returned.
     scale, causal, window, mask, key_lengths
@@ -452,7 +470,9 @@ def noise_floors(
     """
     from .reference import masked_scores, softmax_parts
 
-    q64, k64, v64 = _as_f64(q), _as_f64(k), _as_f64(v)
+    q64 = _as_f64(q)
+    Hkv = np.shape(k)[1]
+    k64, v64 = _repeat_heads(_as_f64(k), q64.shape[1]), _repeat_heads(_as_f64(v), q64.shape[1])
     D = q64.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     root_d = math.sqrt(D)
@@ -500,6 +520,8 @@ def noise_floors(
                              + np.sqrt(d2[..., None] * p2_sum(k2)))
     floors["dk"] = abs(s) * (np.sqrt(v_norm2[..., None] * p2t_sum(do_norm2[..., None] * q2) / D)
                              + np.sqrt(p2t_sum(d2[..., None] * q2)))
+    # A K/V head's gradient sums its group's terms, each group member's at random.
+    floors["dk"], floors["dv"] = _sum_groups(floors["dk"], Hkv, "rss"), _sum_groups(floors["dv"], Hkv, "rss")
     return floors
 
 
@@ -631,8 +653,10 @@ def lowp_reference_forward(
     Parameters
     ----------
     q : array, shape (B, H, Nq, D)
-    k, v : arrays, shape (B, H, Nk, D)
-        Values representable in ``dtype`` (they are used as they are).
+    k, v : arrays, shape (B, Hkv, Nk, D)
+        Values representable in ``dtype`` (they are used as they are); ``Hkv``
+        divides ``H`` (grouped K/V heads are repeated, as ``repeat_interleave``
+        would, and their gradients summed over each group).
     scale, causal, window, mask, key_lengths
         As in :func:`pycudaflash.reference.reference_forward`.  A float mask
         of dtype ``dtype`` is added in that dtype, any other float mask in
@@ -657,7 +681,8 @@ def lowp_reference_forward(
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    fwd = _LowpForward(q_, _repeat_heads(k_, H), _repeat_heads(v_, H), dt, normalize_scale(scale, D), allowed,
+                       bias)
     return fwd.out.astype(dt), fwd.lse
 
 
@@ -701,7 +726,7 @@ def lowp_reference_backward(
     Returns
     -------
     dq : ndarray, shape (B, H, Nq, D), ``dtype``
-    dk, dv : ndarrays, shape (B, H, Nk, D), ``dtype``
+    dk, dv : ndarrays, shape (B, Hkv, Nk, D), ``dtype``
         Rows that see no key contribute nothing and get ``dq = 0``.
     """
     dt = _lowp_dtype(q, dtype)
@@ -713,7 +738,8 @@ def lowp_reference_backward(
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    fwd = _LowpForward(q_, _repeat_heads(k_, H), _repeat_heads(v_, H), dt, normalize_scale(scale, D), allowed,
+                       bias)
     rnd = fwd.rnd
     dO = np.asarray(to_host(dout), dtype=np.float32)
     dv = rnd(np.matmul(np.swapaxes(fwd.Pd, -1, -2), dO))
@@ -723,6 +749,9 @@ def lowp_reference_backward(
     dS = rnd(dS * fwd.scale)
     dq = rnd(np.matmul(dS, fwd.k))
     dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
+    # Grouped K/V heads: the backward of repeating them sums each group (float32, rounded once).
+    Hkv = k_.shape[1]
+    dk, dv = rnd(_sum_groups(dk, Hkv)), rnd(_sum_groups(dv, Hkv))
     return dq.astype(dt), dk.astype(dt), dv.astype(dt)
 
 
@@ -767,6 +796,9 @@ class AttentionProblem:
         (B, H, N, D)).
     seed : int
         Seed of the random inputs.
+    Hkv : int
+        Heads of k and v, a divisor of ``H`` (grouped-query attention); 0
+        means ``H``.
     """
 
     B: int
@@ -787,6 +819,12 @@ class AttentionProblem:
     mask_in_dtype: bool = False
     layout: str = "bhnd"
     seed: int = 0
+    Hkv: int = 0
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of k and v."""
+        return self.Hkv or self.H
 
     @property
     def elements(self) -> int:
@@ -827,6 +865,7 @@ def attention_problems(
     masks: bool = True,
     *,
     max_elements: Optional[int] = None,
+    groups: bool = False,
 ):
     """Hypothesis strategy of :class:`AttentionProblem`.
 
@@ -851,6 +890,9 @@ def attention_problems(
     max_elements : int, optional
         Cap on ``B * H * Nq * Nk * D``; sizes are drawn one after the other
         (D, then the lengths, then B and H) each within what the cap leaves.
+    groups : bool
+        Whether k and v may have fewer heads than q (``Hkv``, a divisor of
+        ``H``, drawn in about half the problems with ``H > 1``).
 
     Returns
     -------
@@ -890,6 +932,9 @@ def attention_problems(
         room = max(1, room // (Nq * Nk))
         B = draw(st.integers(1, max(1, min(max_batch, room))))
         H = draw(st.integers(1, max(1, min(max_heads, room // B))))
+        Hkv = 0
+        if groups and H > 1 and draw(st.booleans()):
+            Hkv = draw(st.sampled_from([d for d in range(1, H) if H % d == 0]))
 
         dtype = draw(st.sampled_from(list(dtypes)))
         scale = draw(st.one_of(
@@ -934,7 +979,7 @@ def attention_problems(
             window=window, key_lengths=key_lengths, mask_kind=mask_kind,
             mask_shape=mask_shape, mask_density=density,
             mask_inf_fraction=inf_fraction, mask_empty_rows=empty_rows,
-            mask_in_dtype=in_dtype, layout=layout, seed=seed,
+            mask_in_dtype=in_dtype, layout=layout, seed=seed, Hkv=Hkv,
         )
 
     return strategy()
@@ -1014,7 +1059,7 @@ def make_inputs(
     Returns
     -------
     dict
-        ``'q'`` (B, H, Nq, D), ``'k'``, ``'v'`` (B, H, Nk, D) and ``'dout'``
+        ``'q'`` (B, H, Nq, D), ``'k'``, ``'v'`` (B, Hkv, Nk, D) and ``'dout'``
         (B, H, Nq, D): standard-normal float32 draws rounded to
         ``problem.dtype`` (never to zero), each a view in ``problem.layout``
         (for ``'bnhd'``, ``x.transpose(0, 2, 1, 3)`` is the contiguous
@@ -1028,11 +1073,12 @@ def make_inputs(
     dt = numpy_dtype(problem.dtype)
     B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
 
-    def normal(n: int) -> np.ndarray:
-        x = rng.standard_normal((B, H, n, D), dtype=np.float32)
+    def normal(heads: int, n: int) -> np.ndarray:
+        x = rng.standard_normal((B, heads, n, D), dtype=np.float32)
         return _layout_view(_round_nonzero(x, dt), problem.layout)
 
-    q, k, v, dout = normal(Nq), normal(Nk), normal(Nk), normal(Nq)
+    Hkv = problem.kv_heads
+    q, k, v, dout = normal(H, Nq), normal(Hkv, Nk), normal(Hkv, Nk), normal(H, Nq)
     kl = None
     if problem.key_lengths is not None:
         kl = np.asarray(problem.key_lengths, dtype=np.int32).reshape(B)

@@ -104,15 +104,26 @@ DTYPES = ("float32",) + tuple(UNIT_ROUNDOFF)
 # maxima (B <= 2, H <= 3, N <= 700, D <= 256).
 MAX_ELEMENTS: Dict[str, Optional[int]] = {"ci": 10_000_000, "gpu": None}
 
-# One strategy per dtype: the properties are parametrized by dtype, so each
-# dtype gets the profile's full example count.
+# Backends that run k and v with fewer heads than q (grouped-query attention).
+GROUPED_BACKENDS = ("numpy",)
+
+# One strategy per dtype and per whether K/V head groups are drawn: the
+# properties are parametrized by dtype, so each dtype gets the profile's full
+# example count.
 PROBLEMS = {
-    dtype: attention_problems(
+    (dtype, groups): attention_problems(
         dtypes=(dtype,),
         max_elements=MAX_ELEMENTS.get(selected_profile(), MAX_ELEMENTS["ci"]),
+        groups=groups,
+        max_heads=4 if groups else 3,  # (4 heads: groups of 2 and of 4)
     )
     for dtype in DTYPES
+    for groups in (False, True)
 }
+
+
+def _problems(backend: str, dtype: str) -> Any:
+    return PROBLEMS[(dtype, backend in GROUPED_BACKENDS)]
 
 
 # --------------------------------------------------------------------------
@@ -254,9 +265,11 @@ def _torch_attention(
     def tensor(a: np.ndarray, dtype: Any = tdt) -> Any:
         return torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(dev).to(dtype)
 
-    q, k, v = (tensor(x[n]).requires_grad_(backward) for n in ("q", "k", "v"))
+    q, k_in, v_in = (tensor(x[n]).requires_grad_(backward) for n in ("q", "k", "v"))
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    Nk = k_in.shape[2]
+    # Grouped K/V heads: repeated to H (autograd sums each group's gradients).
+    k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k_in, v_in))
     scale = normalize_scale(kw["scale"], D)
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=kw["causal"], window=kw["window"], mask=kw["mask"],
@@ -272,7 +285,7 @@ def _torch_attention(
     out = p @ v
     res = {"out": out, "lse": torch.logsumexp(s.detach().float(), dim=-1)}
     if backward:
-        grads = torch.autograd.grad(out, (q, k, v), tensor(x["dout"]))
+        grads = torch.autograd.grad(out, (q, k_in, v_in), tensor(x["dout"]))
         res.update(zip(("dq", "dk", "dv"), grads))
     return {n: a.detach().float().cpu().numpy() for n, a in res.items()}
 
@@ -342,7 +355,7 @@ def _skip_float32_repeat(dtype: str) -> None:
 @given(data=st.data())
 def test_forward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _skip_float32_repeat(dtype)
-    problem = data.draw(PROBLEMS[dtype], label="problem")
+    problem = data.draw(_problems(backend, dtype), label="problem")
     x = make_inputs(problem)
     kw_host = attention_kwargs(problem, x)
     ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
@@ -363,8 +376,8 @@ def _launch_backward(
     B, H, Nq, Nk, D = problem.B, problem.H, problem.Nq, problem.Nk, problem.D
     dtype = x["q"].dtype
     dq = _poisoned((B, H, Nq, D), dtype, backend)
-    dk = _poisoned((B, H, Nk, D), dtype, backend)
-    dv = _poisoned((B, H, Nk, D), dtype, backend)
+    dk = _poisoned((B, problem.kv_heads, Nk, D), dtype, backend)
+    dv = _poisoned((B, problem.kv_heads, Nk, D), dtype, backend)
     ret = flash_attn_backward(
         dev["dout"], dev["q"], dev["k"], dev["v"], out, lse,
         **_device_kwargs(problem, x, backend), dq=dq, dk=dk, dv=dv, backend=backend,
@@ -403,7 +416,7 @@ def _backward_checks(problem: AttentionProblem, x: Dict[str, Any], backend: str,
 @given(data=st.data())
 def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _skip_float32_repeat(dtype)
-    problem = data.draw(PROBLEMS[dtype], label="problem")
+    problem = data.draw(_problems(backend, dtype), label="problem")
     # The deterministic mode computes dQ by another kernel (no atomics).
     deterministic = data.draw(st.booleans(), label="deterministic")
     x = make_inputs(problem)
