@@ -92,7 +92,7 @@ flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, 
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) float smem[];
     float *Kj = smem;                      // [BWD_BC][LD_HEAD]
     float *Vj = Kj + BWD_BC * LD_HEAD;     // [BWD_BC][LD_HEAD]
@@ -135,8 +135,9 @@ flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, 
         for (int e = 0; e < 4; ++e) dv_acc[0][n][e] = dk_acc[0][n][e] = 0.f;
 
     if (tr_begin < tr_end) {
-        load_tile_async<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_async<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_async<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_async<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
     }
 
     for (int tr = tr_begin; tr < tr_end; ++tr) {
@@ -259,7 +260,7 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
                     int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
                     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
                     i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
-                    int band_hi, int vec) {
+                    int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) float smem[];
     float *Qi = smem;                   // [DQ_BR][LD_HEAD]
     float *dOi = Qi + DQ_BR * LD_HEAD;  // [DQ_BR][LD_HEAD]
@@ -300,8 +301,9 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
     }
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
-        load_tile_async<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_async<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_async<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_async<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.
@@ -367,4 +369,17 @@ flash_bwd_convert_dq(const float *__restrict__ dQacc, float *__restrict__ dQ, in
         row[d] = x0;
         if (d + 1 < D) row[d + 1] = x1;
     });
+}
+
+// -------------------------------------------------- grouped K/V heads: sums
+// dK, dV of each K/V head from the per-query-head terms in the workspace
+// (sum_head_groups); blockIdx.y 0: dK, 1: dV.
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_sum_groups(const float *__restrict__ dKh, const float *__restrict__ dVh, float *__restrict__ dK,
+                     float *__restrict__ dV, int Hkv, int G, int Nk, int D, i64 total, i64 dk_sb, i64 dk_sh,
+                     i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn) {
+    const bool is_v = blockIdx.y == 1;
+    sum_head_groups(is_v ? dVh : dKh, is_v ? dV : dK, Hkv, G, Nk, D, total, is_v ? dv_sb : dk_sb,
+                    is_v ? dv_sh : dk_sh, is_v ? dv_sn : dk_sn, [](float x) { return x; },
+                    [](float *p, float x) { *p = x; });
 }

@@ -114,7 +114,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(smem_raw);  // [BWD_BC][LDH]
     elem_t *Vj = Kj + BWD_BC * LDH;                     // [BWD_BC][LDH]
@@ -159,8 +159,9 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     if (tr_begin < tr_end) {
         // Kj, Vj and the first Qi, dOi.
-        load_tile_h<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_h<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_h<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_h<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         load_tile_h<BWD_BR, BWD_THREADS>(Qbuf, Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
         load_tile_h<BWD_BR, BWD_THREADS>(dObuf, dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
         cp_async_commit();

@@ -59,7 +59,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
                     int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
                     i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
                     i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
-                    int band_hi, int vec) {
+                    int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [DQ_BR][LDH]
     elem_t *dOi = Qi + DQ_BR * LDH;                     // [DQ_BR][LDH]
@@ -99,8 +99,9 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     }
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
-        load_tile_h<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_h<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_h<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_h<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.
@@ -184,4 +185,17 @@ flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, i
                      i64 dq_sb, i64 dq_sh, i64 dq_sn, int vec) {
     convert_dq_rows(dQacc, dQ, H, Nq, D, total_rows, dq_sb, dq_sh, dq_sn,
                     [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, vec); });
+}
+
+// -------------------------------------------------- grouped K/V heads: sums
+// dK, dV of each K/V head from the per-query-head terms in the workspace
+// (sum_head_groups); blockIdx.y 0: dK, 1: dV.
+extern "C" __global__ void __launch_bounds__(256)
+flash_bwd_sum_groups(const elem_t *__restrict__ dKh, const elem_t *__restrict__ dVh, elem_t *__restrict__ dK,
+                     elem_t *__restrict__ dV, int Hkv, int G, int Nk, int D, i64 total, i64 dk_sb, i64 dk_sh,
+                     i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn) {
+    const bool is_v = blockIdx.y == 1;
+    sum_head_groups(is_v ? dVh : dKh, is_v ? dV : dK, Hkv, G, Nk, D, total, is_v ? dv_sb : dk_sb,
+                    is_v ? dv_sh : dk_sh, is_v ? dv_sn : dk_sn, [](elem_t x) { return to_float(x); },
+                    [](elem_t *p, float x) { *p = from_float(x); });
 }

@@ -141,7 +141,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
     elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
@@ -220,8 +220,9 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     }
 
     if (n_q > 0) {
-        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }
@@ -467,7 +468,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                       int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
                       i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
                       i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec) {
+                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
     elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
@@ -523,8 +524,9 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     };
 
     if (n_q > 0) {
-        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)h * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)h * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }

@@ -393,3 +393,32 @@ __device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H
             if (r < rows) store(dst[r], d, x[r].x, x[r].y);
     }
 }
+
+// The K/V head that query head h reads: h / kv_group (= H / Hkv) in the
+// grouped-query variants (KV_GROUPS 1), h itself in the others, where the
+// division is compiled out.
+#ifndef KV_GROUPS
+#error "KV_GROUPS must be defined (pycudaflash.compiler.defines)"
+#endif
+__device__ __forceinline__ int kv_head(int h, int kv_group) { return KV_GROUPS ? h / kv_group : h; }
+
+// Grouped K/V heads: dKj (or dVj) of K/V head hk is the sum of the G = H /
+// Hkv per-query-head terms of its group, which the dK/dV kernel wrote, each
+// rounded to the element type, into a contiguous (B, H, Nk, D) workspace
+// `src` (query heads hk*G .. hk*G + G - 1 in a row).  Summed in float32 in a
+// fixed order (deterministic); one thread per element of `dst` (strided).
+template <typename T, typename ToF, typename Store>
+__device__ __forceinline__ void sum_head_groups(const T *src, T *dst, int Hkv, int G, int Nk, int D, i64 total,
+                                                i64 d_sb, i64 d_sh, i64 d_sn, ToF to_f, Store store) {
+    for (i64 e = blockIdx.x * (i64)blockDim.x + threadIdx.x; e < total; e += (i64)gridDim.x * blockDim.x) {
+        const int d = (int)(e % D);
+        const i64 row = e / D;  // (b, hk, j)
+        const int j = (int)(row % Nk);
+        const i64 bhk = row / Nk;  // b * Hkv + hk
+        const int hk = (int)(bhk % Hkv), b = (int)(bhk / Hkv);
+        const T *s = src + (bhk * G * Nk + j) * D + d;  // query head hk*G of batch b, key j, column d
+        float acc = 0.f;
+        for (int g = 0; g < G; ++g) acc += to_f(s[(i64)g * Nk * D]);
+        store(dst + (i64)b * d_sb + (i64)hk * d_sh + (i64)j * d_sn + d, acc);
+    }
+}

@@ -59,7 +59,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
                  i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                  i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
-                 int band_lo, int band_hi, int vec) {
+                 int band_lo, int band_hi, int vec, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [BR][LDH]
     elem_t *Kj = Qi + BR * LDH;                         // [BC][LDH]
@@ -76,8 +76,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const elem_t *Kg = K + (i64)b * k_sb + (i64)h * k_sh;
-    const elem_t *Vg = V + (i64)b * v_sb + (i64)h * v_sh;
+    const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
+    const elem_t *Kg = K + (i64)b * k_sb + (i64)hk * k_sh;
+    const elem_t *Vg = V + (i64)b * v_sb + (i64)hk * v_sh;
 
     // Keys any row of this tile may see.
     const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, band_lo, band_hi, BC);

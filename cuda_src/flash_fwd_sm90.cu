@@ -232,7 +232,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                  i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
                  i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
                  int band_lo, int band_hi, int vec, int H, int n_jobs, int group_shift,
-                 int *__restrict__ sched) {
+                 int *__restrict__ sched, int kv_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int next_job[2];  // a block's next job, alternate jobs in alternate slots
     unsigned char *smem = swizzle_base(smem_raw);
@@ -285,8 +285,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         mp.kl = jb.kl;
         const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
         const elem_t *Qg = Q + (i64)jb.b * q_sb + (i64)jb.h * q_sh;
-        const elem_t *Kg = K + (i64)jb.b * k_sb + (i64)jb.h * k_sh;
-        const elem_t *Vg = V + (i64)jb.b * v_sb + (i64)jb.h * v_sh;
+        const int hk = kv_head(jb.h, kv_group);  // the K/V head this job reads
+        const elem_t *Kg = K + (i64)jb.b * k_sb + (i64)hk * k_sh;
+        const elem_t *Vg = V + (i64)jb.b * v_sb + (i64)hk * v_sh;
         const int q0 = jb.q0, tc_begin = jb.tc_begin, n_tiles = jb.n_tiles;
 
         float o_acc[O_REGS];
@@ -370,9 +371,11 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             if (next < n_jobs) {
                 const FwdJob nb = fwd_job(next, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi, group_shift);
                 loaded = nb.n_tiles > 0;
-                if (loaded)  // under the last product and the output
-                    load_first(Q + (i64)nb.b * q_sb + (i64)nb.h * q_sh, K + (i64)nb.b * k_sb + (i64)nb.h * k_sh,
-                               V + (i64)nb.b * v_sb + (i64)nb.h * v_sh, nb, sb);
+                if (loaded) {  // under the last product and the output
+                    const int nk = kv_head(nb.h, kv_group);
+                    load_first(Q + (i64)nb.b * q_sb + (i64)nb.h * q_sh, K + (i64)nb.b * k_sb + (i64)nk * k_sh,
+                               V + (i64)nb.b * v_sb + (i64)nk * v_sh, nb, sb);
+                }
             }
 #endif
             wgmma_fence();

@@ -40,8 +40,8 @@ class Operand:
         return self.kind == "device"
 
 
-#: Why a call with modifiers or grouped K/V heads is refused where the CUDA kernels would run it.
-NUMPY_ONLY = ("score_mod, mask_mod and k, v with fewer heads than q run on the NumPy backend only so far: "
+#: Why a call with modifiers is refused where the CUDA kernels would run it.
+NUMPY_ONLY = ("score_mod and mask_mod run on the NumPy backend only so far: "
               "pass numpy arrays (or torch CPU tensors) with backend='numpy'")
 
 
@@ -94,5 +94,10 @@ class Problem:
 
     @property
     def plain(self) -> bool:
-        """No modifier and one K/V head per query head: what every backend runs."""
-        return self.score_mod is None and self.mask_mod is None and self.Hkv in (0, self.H)
+        """No modifier: what every backend runs."""
+        return self.score_mod is None and self.mask_mod is None
+
+    @property
+    def kv_heads(self) -> int:
+        """Heads of k and v (``Hkv``)."""
+        return self.Hkv or self.H

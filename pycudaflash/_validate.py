@@ -495,7 +495,7 @@ def _make_problem(
     lengths = _check_key_lengths(key_lengths, dims, opaque_dtype)
     q = ops["q"]
     score_mod, mask_mod, tensors = _check_mods(*mods)
-    if q.on_device and (score_mod is not None or mask_mod is not None or dims.Hkv != dims.H):
+    if q.on_device and (score_mod is not None or mask_mod is not None):
         raise ValueError(NUMPY_ONLY)
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,

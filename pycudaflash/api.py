@@ -62,8 +62,8 @@ def flash_attn_forward(
     k, v : array, shape (B, Hkv, Nk, D)
         Keys and values, same kind and dtype as ``q``.  ``Hkv`` (usually
         ``H``) divides ``H``: query head ``h`` reads K/V head
-        ``h // (H // Hkv)`` (grouped-query attention; NumPy backend only so
-        far).
+        ``h // (H // Hkv)`` (grouped-query and multi-query attention; the
+        backward sums dk, dv over each group in a fixed order).
     causal : bool or {'top_left', 'bottom_right'}, optional
         ``True``/``'top_left'``: query i sees keys j <= i.  ``'bottom_right'``:
         query i sees keys j <= i + Nk - Nq.

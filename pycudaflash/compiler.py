@@ -339,8 +339,9 @@ def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optiona
 
 
 def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
-            arch: Optional[str] = None) -> Dict[str, int]:
-    """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes)."""
+            arch: Optional[str] = None, groups: bool = False) -> Dict[str, int]:
+    """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes;
+    ``groups``: k and v have fewer heads than q)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
     half = pass_ != "fwd" and pass_ != "bwd"
@@ -349,7 +350,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     if head_dim not in buckets(dtype):
         raise ValueError(f"head dim {head_dim} is not a bucket {buckets(dtype)}")
     t = tiles(head_dim, dtype, arch)
-    out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind]}
+    out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind], "KV_GROUPS": int(groups)}
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
         out["LEAN_REGISTERS"] = int(_lean(arch))  # (the register budget class of the architecture)
@@ -363,7 +364,9 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         out["BC"] = min(t.fwd90_bc, 32) if (dense and head_dim > 192) else t.fwd90_bc
         out["FWD_WGS"] = min(t.fwd90_wgs, 2) if dense else t.fwd90_wgs
         out["FWD_MINB"] = 1 if dense else t.fwd90_minb
-        out["FWD_PERSIST"] = int(t.fwd90_persist > 0)
+        # (the next job's K/V head, computed under the last product, would spill
+        # registers with a dense mask's addressing: one job a block there)
+        out["FWD_PERSIST"] = int(t.fwd90_persist > 0 and not (groups and dense))
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}")
@@ -380,23 +383,26 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     return out
 
 
-def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None) -> Iterator[Tuple[str, Dict[str, int]]]:
+def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,
+                 groups: Tuple[bool, ...] = (False, True)) -> Iterator[Tuple[str, Dict[str, int]]]:
     """Every (pass, defines) the library can request on ``arch`` (default sm_90).
 
     On Hopper that includes both the wgmma passes and the mma.sync passes
-    they replace (``$PYCUDAFLASH_WGMMA=0`` selects the latter).
+    they replace (``$PYCUDAFLASH_WGMMA=0`` selects the latter).  ``groups``:
+    the variants for k, v with as many heads as q (False) and fewer (True).
     """
     arch = arch or "sm_90"
-    for dtype in dtypes:
-        for kind in ("fwd", "bwd"):
-            for hopper in (False, True):
-                for hd in buckets(dtype):
-                    for mk in MASK_MODES:
-                        pass_ = pass_name(kind, dtype, arch, hd, mk, hopper=hopper)
-                        # (without a Hopper version, both settings name the same pass)
-                        if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False):
-                            continue
-                        yield pass_, defines(pass_, hd, mk, dtype, arch)
+    for g in groups:
+        for dtype in dtypes:
+            for kind in ("fwd", "bwd"):
+                for hopper in (False, True):
+                    for hd in buckets(dtype):
+                        for mk in MASK_MODES:
+                            pass_ = pass_name(kind, dtype, arch, hd, mk, hopper=hopper)
+                            # (without a Hopper version, both settings name the same pass)
+                            if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False):
+                                continue
+                            yield pass_, defines(pass_, hd, mk, dtype, arch, groups=g)
 
 
 @functools.lru_cache(maxsize=None)

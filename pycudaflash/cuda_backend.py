@@ -281,13 +281,14 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised)."""
     dt = _kernel_dtype(prob)
     env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
-    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, env)
+    groups = prob.kv_heads != prob.H
+    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, groups, env)
     var = _variants.get(key)
     if var is None:
         arch = compiler.arch_of_current_device()
         hd = key[3]
         pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind)
-        var = _variants[key] = _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch),
+        var = _variants[key] = _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch, groups=groups),
                                         compiler.tiles(hd, dt, arch), hd, dt, arch)
     return var
 
@@ -462,7 +463,7 @@ class ForwardPlan(_Plan):
              Nq, Nk, D,
              *_three(strides["q"]), *_three(strides["k"]), *_three(strides["v"]), *_three(strides["out"]),
              *_three(strides["lse"]), *mask_strides,
-             prob.scale * LOG2E, lo, hi, vec, *extra),
+             prob.scale * LOG2E, lo, hi, vec, *extra, H // prob.kv_heads),
         )
         self.kernels = ([conv] if conv is not None else []) + [main]
         self.ws_bytes = ws.nbytes
@@ -508,7 +509,10 @@ class BackwardPlan(_Plan):
         B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
         var = _variant(prob, "bwd")
         rows = B * H * Nq
-        # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator, converted mask.
+        # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator, converted mask,
+        # and with grouped K/V heads the per-query-head dK, dV (B, H, Nk, D) that step 4 sums.
+        Hkv = prob.kv_heads
+        group = H // Hkv
         ws = _Workspace()
         off_d = ws.region(4 * rows)
         off_l2 = ws.region(4 * rows)
@@ -521,11 +525,19 @@ class BackwardPlan(_Plan):
         kl = _Ref(self.KL)  # (0: no key lengths)
         lo, hi = _band(prob)
         itemsize = np.dtype(prob.dtype).itemsize
-        # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
-        names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dk", "dv")
-        vec = _vec_ok([strides[n] for n in names], D, itemsize, aligned)
-        scale, scale_log2 = prob.scale, prob.scale * LOG2E
         st = {n: _three(strides[n]) for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")}
+        dk_ref, dv_ref = _Ref(self.DK), _Ref(self.DV)
+        if group > 1:  # (the dK/dV kernel writes per query head into the workspace)
+            per_head = c_strides((B, H, Nk, D))
+            dk_ref = _Ref(self.WS, ws.region(itemsize * B * H * Nk * D))
+            dv_ref = _Ref(self.WS, ws.region(itemsize * B * H * Nk * D))
+            st["dk_h"] = st["dv_h"] = _three(per_head)
+        else:
+            st["dk_h"], st["dv_h"] = st["dk"], st["dv"]
+        # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
+        names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dk_h", "dv_h")
+        vec = _vec_ok([st[n] + (1,) for n in names], D, itemsize, aligned)
+        scale, scale_log2 = prob.scale, prob.scale * LOG2E
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
         kernels = [conv] if conv is not None else []
 
@@ -545,9 +557,9 @@ class BackwardPlan(_Plan):
         kernels.append(_Kernel(
             "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), (H, B, (Nk + keys - 1) // keys),
             threads, var.smem("flash_bwd_dkdv_kernel"), var.format("flash_bwd_dkdv_kernel"),
-            (q, k, v, do, d_ref, l2_ref, dqacc, _Ref(self.DK), _Ref(self.DV), mask_ref, kl,
-             Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk"], *st["dv"], *mask_strides,
-             scale_log2, scale, lo, hi, vec)))
+            (q, k, v, do, d_ref, l2_ref, dqacc, dk_ref, dv_ref, mask_ref, kl,
+             Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk_h"], *st["dv_h"], *mask_strides,
+             scale_log2, scale, lo, hi, vec, group)))
         # 3. dQ: deterministic kernel, or rounding of the accumulator.
         if prob.deterministic:
             kernels.append(_Kernel(
@@ -556,11 +568,18 @@ class BackwardPlan(_Plan):
                 var.smem("flash_bwd_dq_kernel"), var.format("flash_bwd_dq_kernel"),
                 (q, k, v, do, d_ref, l2_ref, _Ref(self.DQ), mask_ref, kl,
                  Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dq"], *mask_strides,
-                 scale_log2, scale, lo, hi, vec)))
+                 scale_log2, scale, lo, hi, vec, group)))
         else:
             kernels.append(_Kernel(
                 "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * compiler.PRE_WARPS, 0,
                 var.format("flash_bwd_convert_dq"), (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec)))
+        # 4. Grouped K/V heads: dK, dV of each K/V head, the sum over its group (a fixed order).
+        if group > 1:
+            total = B * Hkv * Nk * D
+            kernels.append(_Kernel(
+                "flash_bwd_sum_groups", var.function("flash_bwd_sum_groups"),
+                (max(1, min(-(-total // 256), 132 * 16)), 2, 1), 256, 0, var.format("flash_bwd_sum_groups"),
+                (dk_ref, dv_ref, _Ref(self.DK), _Ref(self.DV), Hkv, group, Nk, D, total, *st["dk"], *st["dv"])))
         self.kernels = kernels
         self.ws_bytes = ws.nbytes
         self.pass_ = var.pass_
@@ -712,7 +731,7 @@ def plan(prob: Problem, kind: str) -> Tuple[_Plan, int, int]:
 
 
 def _output_shapes(prob: Problem, kind: str) -> Tuple[Tuple[int, ...], ...]:
-    qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.H, prob.Nk, prob.D)
+    qs, ks = (prob.B, prob.H, prob.Nq, prob.D), (prob.B, prob.kv_heads, prob.Nk, prob.D)
     return (qs, qs[:3]) if kind == "fwd" else (qs, ks, ks)
 
 

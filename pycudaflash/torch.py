@@ -67,7 +67,7 @@ def flash_attention(
         Any strides; a last dimension that is not contiguous is copied.
     k, v : Tensor, shape (B, Hkv, Nk, D)
         Keys and values, same dtype and device as ``q``; ``Hkv`` divides
-        ``H`` (grouped-query attention: CPU tensors only so far).
+        ``H`` (grouped-query attention, as torch SDPA's ``enable_gqa``).
     causal : bool or {'top_left', 'bottom_right'}, optional
         As in :func:`pycudaflash.flash_attn_forward`.
     window : (left, right), optional

@@ -46,18 +46,21 @@ def main(argv=None) -> int:
     # (bucket 64) with every case; for 16-bit inputs also the other tile
     # layouts (buckets 128, 192, 256) with a few cases, and head dim 128 with
     # more query tiles than the device holds blocks at once (persistent
-    # forward blocks run several of them).
+    # forward blocks run several of them); and k, v with fewer heads than q
+    # (Hkv, last: groups of 2 and of 4).
     small = (B, H, Nq, Nk)
     runs = []
     for dt in dtypes:
-        runs += [(dt, D, small, None) for D in (64, 37)]
+        runs += [(dt, D, small, None, H) for D in (64, 37)]
         if dt != "float32":
-            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask"}) for D in (128, 150, 256)]
-            runs.append((dt, 128, (4, 12, 300, 257), {"none", "causal_bottom_right"}))
-    for dtype, D, (B, H, Nq, Nk), names in runs:
+            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask"}, H) for D in (128, 150, 256)]
+            runs.append((dt, 128, (4, 12, 300, 257), {"none", "causal_bottom_right"}, 12))
+        runs += [(dt, 64, (2, 4, Nq, Nk), {"none", "causal_bottom_right", "bool_mask", "key_lengths"}, hkv)
+                 for hkv in (2, 1)]
+    for dtype, D, (B, H, Nq, Nk), names, Hkv in runs:
         np_dtype = NP_DTYPES[dtype]
         q, k, v, do = (rng.standard_normal(s, dtype=np.float32).astype(np_dtype)
-                       for s in ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D), (B, H, Nq, D)))
+                       for s in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D), (B, H, Nq, D)))
         gq, gk, gv, gdo = (gpuarray.to_gpu(x) for x in (q, k, v, do))
         all_cases = dict(cases)
         if dtype != "float32":  # a float mask in the input's own type (converted on the device)
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
             same_inf = np.array_equal(np.isneginf(lse_h), np.isneginf(rl))
             ok = same_inf and all(e <= BOUNDS[dtype] for e in errs)
             failures += not ok
-            print(f"{dtype:8s} D={D:3d} B,H,Nq,Nk={B},{H},{Nq},{Nk} {name:20s} max err {max(errs):.2e} lse -inf pattern {'ok' if same_inf else 'WRONG'}"
+            print(f"{dtype:8s} D={D:3d} B,H,Hkv,Nq,Nk={B},{H},{Hkv},{Nq},{Nk} {name:20s} max err {max(errs):.2e} lse -inf pattern {'ok' if same_inf else 'WRONG'}"
                   f" {'ok' if ok else 'FAIL'}", flush=True)
     failures += _torch_cases(rng)
     print("sanitize cases:", "all ok" if not failures else f"{failures} failed")

@@ -65,8 +65,11 @@ def test_build_arch() -> None:
 
 def test_hopper_defines() -> None:
     d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
-    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "ELEM_BF16": 0, "LEAN_REGISTERS": 0, "BC": 128, "FWD_WGS": 2,
-                 "FWD_MINB": 1, "FWD_PERSIST": 1}
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "KV_GROUPS": 0, "ELEM_BF16": 0, "LEAN_REGISTERS": 0, "BC": 128,
+                 "FWD_WGS": 2, "FWD_MINB": 1, "FWD_PERSIST": 1}
+    # Grouped K/V heads: persistent blocks without a dense mask, one job a block with one.
+    assert [compiler.defines("fwd_sm90", 128, mk, "float16", "sm_90", groups=True)["FWD_PERSIST"]
+            for mk in ("none", "bool")] == [1, 0]
     # The register budget class is the architecture's, decided in Python only.
     assert compiler.defines("fwd_f16", 128, "none", "float16", "sm_80")["LEAN_REGISTERS"] == 1
     assert compiler.defines("bwd_f16", 128, "none", "bfloat16", "sm_90")["LEAN_REGISTERS"] == 0
@@ -198,19 +201,21 @@ def test_a_missing_include_is_named(tmp_path, monkeypatch) -> None:
 
 def test_parameter_formats_are_read_from_the_kernel_signatures() -> None:
     P, i, q, f = "P", "i", "q", "f"
-    fwd = P * 7 + i * 3 + q * 19 + f + i * 3
+    fwd = P * 7 + i * 3 + q * 19 + f + i * 3  # (then the K/V head group, last everywhere)
     pre, convert, mask = P * 6 + i * 3 + q * 10, P * 2 + i * 3 + q * 4 + i, P * 2 + q * 8
-    dkdv, dq = P * 11 + i * 3 + q * 22 + f * 2 + i * 3, P * 9 + i * 3 + q * 19 + f * 2 + i * 3
+    dkdv, dq = P * 11 + i * 3 + q * 22 + f * 2 + i * 4, P * 9 + i * 3 + q * 19 + f * 2 + i * 4
+    sums = P * 4 + i * 4 + q * 7
     expected = {
-        ("fwd", "flash_fwd_kernel"): fwd,
-        ("fwd_f16", "flash_fwd_kernel"): fwd,
-        ("fwd_sm90", "flash_fwd_kernel"): fwd + i * 3 + P,  # + heads, jobs, job group, job counter
+        ("fwd", "flash_fwd_kernel"): fwd + i,
+        ("fwd_f16", "flash_fwd_kernel"): fwd + i,
+        ("fwd_sm90", "flash_fwd_kernel"): fwd + i * 3 + P + i,  # + heads, jobs, job group, job counter
         ("fwd_f16", "flash_convert_mask"): mask,
         ("fwd_sm90", "flash_convert_mask"): mask,
     }
     for p in ("bwd", "bwd_f16", "bwd_sm90"):
         expected.update({(p, "flash_bwd_preprocess"): pre, (p, "flash_bwd_dkdv_kernel"): dkdv,
-                         (p, "flash_bwd_dq_kernel"): dq, (p, "flash_bwd_convert_dq"): convert})
+                         (p, "flash_bwd_dq_kernel"): dq, (p, "flash_bwd_convert_dq"): convert,
+                         (p, "flash_bwd_sum_groups"): sums})
         if p != "bwd":
             expected[(p, "flash_convert_mask")] = mask
     for (p, kernel), fmt in expected.items():

@@ -101,29 +101,21 @@ DTYPES = ("float32",) + tuple(UNIT_ROUNDOFF)
 
 # Cap on B * H * Nq * Nk * D per profile, which bounds the cost of every
 # example (the float64 reference is dense); None: only the per-dimension
-# maxima (B <= 2, H <= 3, N <= 700, D <= 256).
+# maxima (B <= 2, H <= 4, N <= 700, D <= 256).
 MAX_ELEMENTS: Dict[str, Optional[int]] = {"ci": 10_000_000, "gpu": None}
 
-# Backends that run k and v with fewer heads than q (grouped-query attention).
-GROUPED_BACKENDS = ("numpy",)
-
-# One strategy per dtype and per whether K/V head groups are drawn: the
-# properties are parametrized by dtype, so each dtype gets the profile's full
-# example count.
+# One strategy per dtype: the properties are parametrized by dtype, so each
+# dtype gets the profile's full example count.  Up to 4 heads, so that K/V
+# head groups of 2 and of 4 can be drawn.
 PROBLEMS = {
-    (dtype, groups): attention_problems(
+    dtype: attention_problems(
         dtypes=(dtype,),
         max_elements=MAX_ELEMENTS.get(selected_profile(), MAX_ELEMENTS["ci"]),
-        groups=groups,
-        max_heads=4 if groups else 3,  # (4 heads: groups of 2 and of 4)
+        groups=True,
+        max_heads=4,
     )
     for dtype in DTYPES
-    for groups in (False, True)
 }
-
-
-def _problems(backend: str, dtype: str) -> Any:
-    return PROBLEMS[(dtype, backend in GROUPED_BACKENDS)]
 
 
 # --------------------------------------------------------------------------
@@ -355,7 +347,7 @@ def _skip_float32_repeat(dtype: str) -> None:
 @given(data=st.data())
 def test_forward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _skip_float32_repeat(dtype)
-    problem = data.draw(_problems(backend, dtype), label="problem")
+    problem = data.draw(PROBLEMS[dtype], label="problem")
     x = make_inputs(problem)
     kw_host = attention_kwargs(problem, x)
     ref_out, ref_lse = reference_forward(x["q"], x["k"], x["v"], **kw_host)
@@ -416,7 +408,7 @@ def _backward_checks(problem: AttentionProblem, x: Dict[str, Any], backend: str,
 @given(data=st.data())
 def test_backward_matches_reference(backend: str, dtype: str, data: Any) -> None:
     _skip_float32_repeat(dtype)
-    problem = data.draw(_problems(backend, dtype), label="problem")
+    problem = data.draw(PROBLEMS[dtype], label="problem")
     # The deterministic mode computes dQ by another kernel (no atomics).
     deterministic = data.draw(st.booleans(), label="deterministic")
     x = make_inputs(problem)
@@ -436,9 +428,10 @@ def _bytes(*arrays: Any) -> Tuple[bytes, ...]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_backward_is_bit_identical(cuda: None, causal: bool, dtype: str) -> None:
+@pytest.mark.parametrize("hkv", [3, 1], ids=["heads", "grouped"])
+def test_deterministic_backward_is_bit_identical(cuda: None, causal: bool, dtype: str, hkv: int) -> None:
     problem = AttentionProblem(B=2, H=3, Nq=700, Nk=700, D=64 if dtype == "float32" else 128,
-                               dtype=dtype, causal=causal, seed=11)
+                               dtype=dtype, causal=causal, seed=11, Hkv=hkv)
     x = make_inputs(problem)
     out, lse, dev = _run_forward(problem, x, "cuda")
     runs = []
