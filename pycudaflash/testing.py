@@ -416,6 +416,9 @@ def noise_floors(
     window: Any = None,
     mask: Any = None,
     key_lengths: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Dict[str, np.ndarray]:
     """Size each result would have without cancellation, per element.
 
@@ -458,9 +461,11 @@ def noise_floors(
         combine those of its group's query heads as a root of summed squares).
     dout : array-like, shape (B, H, Nq, D), optional
         Output gradient; without it only ``'out'`` and ``'lse'`` are returned.
-    scale, causal, window, mask, key_lengths
+    scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors
         The attention options, as in
-        :func:`pycudaflash.reference.reference_forward`.
+        :func:`pycudaflash.reference.reference_forward` (the probabilities
+        are those of the modified scores; the derivative of a score
+        modifier is taken as at most 1 in size).
 
     Returns
     -------
@@ -485,7 +490,8 @@ def noise_floors(
 
     # The reference's probabilities P (0 where masked and on rows that see no
     # key), then P^2 in place once out = P V is taken.
-    S, _ = masked_scores(q64, k64, scale=s, causal=causal, window=window, mask=mask, key_lengths=key_lengths)
+    S, _ = masked_scores(q64, k64, scale=s, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
+                         score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors)
     P2, _ = softmax_parts(S)
     out64 = np.matmul(P2, v64)
     P2 *= P2
