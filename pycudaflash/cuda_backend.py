@@ -332,11 +332,18 @@ def c_strides(shape: Sequence[int]) -> Tuple[int, ...]:
 
 
 def _vec_ok(strides: Sequence[Sequence[int]], D: int, itemsize: int, aligned: bool) -> int:
-    """16-byte loads are possible: D a whole number of 16 bytes, rows and bases 16-byte aligned."""
+    """16-byte loads are possible: D a whole number of 16 bytes, rows and bases 16-byte aligned
+    (``strides``: the batch, head and row strides of each array)."""
     per16 = 16 // itemsize
     if D % per16 or not aligned:
         return 0
-    return int(all(s % per16 == 0 for st in strides for s in st[:-1]))
+    return int(all(s % per16 == 0 for st in strides for s in st))
+
+
+def _grid_stride_blocks(total: int, threads: int = 256) -> int:
+    """Blocks of a grid-stride kernel over ``total`` elements: one element a thread, at most 16
+    blocks for each of an H100's 132 SMs (the kernel loops over the rest)."""
+    return max(1, min(-(-total // threads), 132 * 16))
 
 
 class _Workspace:
@@ -366,7 +373,7 @@ def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple
     dims = tuple(1 if st == 0 else n for n, st in zip(m.shape, mask_strides))
     total = int(np.prod(dims))
     off = ws.region(4 * total)
-    blocks = max(1, min((total + 255) // 256, 132 * 16))
+    blocks = _grid_stride_blocks(total)
     conv = _Kernel("flash_convert_mask", var.function("flash_convert_mask"), (blocks, 1, 1), 256, 0,
                    var.format("flash_convert_mask"),
                    (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total))
@@ -437,7 +444,7 @@ class ForwardPlan(_Plan):
         itemsize = np.dtype(prob.dtype).itemsize
         # 16-bit outputs are stored in aligned pairs under the same condition.
         names = ("q", "k", "v") if itemsize == 4 else ("q", "k", "v", "out")
-        vec = _vec_ok([strides[n] for n in names], D, itemsize, aligned)
+        vec = _vec_ok([_three(strides[n]) for n in names], D, itemsize, aligned)
         rows, threads = var.forward_block()
         grid = ((Nq + rows - 1) // rows, H, B)
         fn = var.function("flash_fwd_kernel")
@@ -536,7 +543,7 @@ class BackwardPlan(_Plan):
             st["dk_h"], st["dv_h"] = st["dk"], st["dv"]
         # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
         names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dk_h", "dv_h")
-        vec = _vec_ok([st[n] + (1,) for n in names], D, itemsize, aligned)
+        vec = _vec_ok([st[n] for n in names], D, itemsize, aligned)
         scale, scale_log2 = prob.scale, prob.scale * LOG2E
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
         kernels = [conv] if conv is not None else []
@@ -578,7 +585,7 @@ class BackwardPlan(_Plan):
             total = B * Hkv * Nk * D
             kernels.append(_Kernel(
                 "flash_bwd_sum_groups", var.function("flash_bwd_sum_groups"),
-                (max(1, min(-(-total // 256), 132 * 16)), 2, 1), 256, 0, var.format("flash_bwd_sum_groups"),
+                (_grid_stride_blocks(total), 2, 1), 256, 0, var.format("flash_bwd_sum_groups"),
                 (dk_ref, dv_ref, _Ref(self.DK), _Ref(self.DV), Hkv, group, Nk, D, total, *st["dk"], *st["dv"])))
         self.kernels = kernels
         self.ws_bytes = ws.nbytes

@@ -17,7 +17,8 @@ import numpy as np
 
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
-__all__ = ["reference_forward", "reference_backward", "masked_scores", "softmax_parts"]
+__all__ = ["reference_forward", "reference_backward", "masked_scores", "softmax_parts", "repeat_kv_heads",
+           "sum_kv_groups"]
 
 
 def _as_f64(x: Any) -> np.ndarray:
@@ -47,7 +48,7 @@ def masked_scores(
     return _scores(q, k, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)[:2]
 
 
-def _heads(x: np.ndarray, H: int, name: str) -> np.ndarray:
+def repeat_kv_heads(x: np.ndarray, H: int, name: str = "k") -> np.ndarray:
     """k or v with one head per query head: grouped-query attention reads K/V head
     ``h // (H // Hkv)`` for query head ``h`` (``Hkv`` must divide ``H``)."""
     hkv = x.shape[1]
@@ -58,8 +59,8 @@ def _heads(x: np.ndarray, H: int, name: str) -> np.ndarray:
     return np.repeat(x, H // hkv, axis=1)
 
 
-def _group_sum(dx: np.ndarray, hkv: int) -> np.ndarray:
-    """Gradients of the repeated K/V heads summed back onto the ``hkv`` heads."""
+def sum_kv_groups(dx: np.ndarray, hkv: int) -> np.ndarray:
+    """(B, H, N, D) terms of repeated K/V heads (gradients, say) summed back onto the ``hkv`` heads."""
     B, H, N, D = dx.shape
     return dx if hkv == H else dx.reshape(B, hkv, H // hkv, N, D).sum(axis=2)
 
@@ -87,7 +88,7 @@ def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, w
         raise ValueError("q and k must have shape (B, H, N, D)")
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    k = _heads(k, H, "k")
+    k = repeat_kv_heads(k, H, "k")
     mode = normalize_causal(causal)
     left, right = normalize_window(window)
     s = normalize_scale(scale, D)
@@ -220,7 +221,7 @@ def reference_forward(
     """
     q64 = _as_f64(q)
     # K/V heads repeated for grouped queries.
-    k64, v64 = _heads(_as_f64(k), q64.shape[1], "k"), _heads(_as_f64(v), q64.shape[1], "v")
+    k64, v64 = repeat_kv_heads(_as_f64(k), q64.shape[1], "k"), repeat_kv_heads(_as_f64(v), q64.shape[1], "v")
     S, _, _, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod, mod_tensors)
     P, lse = softmax_parts(S)
     # O = P V (keys no query may see read as zeros).
@@ -263,7 +264,7 @@ def reference_backward(
     q64, dO = _as_f64(q), _as_f64(dout)
     # K/V heads repeated for grouped queries.
     hkv = np.shape(k)[1]
-    k64, v64 = _heads(_as_f64(k), q64.shape[1], "k"), _heads(_as_f64(v), q64.shape[1], "v")
+    k64, v64 = repeat_kv_heads(_as_f64(k), q64.shape[1], "k"), repeat_kv_heads(_as_f64(v), q64.shape[1], "v")
     S, s, dmod, seen = _scores(q64, k64, scale, causal, window, mask, key_lengths, score_mod, mask_mod,
                                mod_tensors, slope=True)
     # Keys no query may see read as zeros.
@@ -286,4 +287,4 @@ def reference_backward(
     dq = s * np.matmul(dS, k64)
     dk = s * np.matmul(np.swapaxes(dS, -1, -2), q64)
     # Grouped queries: each K/V head sums the gradients of its group.
-    return dq, _group_sum(dk, hkv), _group_sum(dv, hkv)
+    return dq, sum_kv_groups(dk, hkv), sum_kv_groups(dv, hkv)

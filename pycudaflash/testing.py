@@ -384,23 +384,6 @@ def relative_error(out: Any, ref: Any, floor: Any = None) -> float:
 # --------------------------------------------------------------------------
 
 
-def _repeat_heads(x: np.ndarray, H: int) -> np.ndarray:
-    """K or V with ``Hkv`` heads repeated to the ``H`` heads of q (query head h reads
-    K/V head ``h // (H // Hkv)``); x itself where the counts agree."""
-    Hkv = x.shape[1]
-    return x if Hkv == H else np.repeat(x, H // Hkv, axis=1)
-
-
-def _sum_groups(x: np.ndarray, Hkv: int, combine: str = "sum") -> np.ndarray:
-    """(B, H, ...) per-query-head terms of K/V heads summed over each group of ``H // Hkv``
-    heads (``combine='rss'``: the root of the sum of squares, for floors)."""
-    B, H = x.shape[:2]
-    if Hkv == H:
-        return x
-    g = x.reshape(B, Hkv, H // Hkv, *x.shape[2:])
-    return np.sum(g, axis=2) if combine == "sum" else np.sqrt(np.sum(g * g, axis=2))
-
-
 def _row_norms(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.sum(x * x, axis=-1))
 
@@ -473,11 +456,11 @@ def noise_floors(
         ``'out'``, ``'lse'`` and, with ``dout``, ``'dq'``, ``'dk'`` and
         ``'dv'``; each broadcastable to the shape of its quantity.
     """
-    from .reference import masked_scores, softmax_parts
+    from .reference import masked_scores, repeat_kv_heads, softmax_parts, sum_kv_groups
 
     q64 = _as_f64(q)
     Hkv = np.shape(k)[1]
-    k64, v64 = _repeat_heads(_as_f64(k), q64.shape[1]), _repeat_heads(_as_f64(v), q64.shape[1])
+    k64, v64 = repeat_kv_heads(_as_f64(k), q64.shape[1], "k"), repeat_kv_heads(_as_f64(v), q64.shape[1], "v")
     D = q64.shape[-1]
     s = 1.0 / math.sqrt(D) if scale is None else float(scale)
     root_d = math.sqrt(D)
@@ -527,7 +510,8 @@ def noise_floors(
     floors["dk"] = abs(s) * (np.sqrt(v_norm2[..., None] * p2t_sum(do_norm2[..., None] * q2) / D)
                              + np.sqrt(p2t_sum(d2[..., None] * q2)))
     # A K/V head's gradient sums its group's terms, each group member's at random.
-    floors["dk"], floors["dv"] = _sum_groups(floors["dk"], Hkv, "rss"), _sum_groups(floors["dv"], Hkv, "rss")
+    for name in ("dk", "dv"):
+        floors[name] = np.sqrt(sum_kv_groups(floors[name] ** 2, Hkv))
     return floors
 
 
@@ -682,13 +666,14 @@ def lowp_reference_forward(
     q_, k_, v_ = (np.asarray(to_host(x)) for x in (q, k, v))
     B, H, Nq, D = q_.shape
     Nk = k_.shape[2]
+    from .reference import repeat_kv_heads
     from .semantics import normalize_scale
 
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
-    fwd = _LowpForward(q_, _repeat_heads(k_, H), _repeat_heads(v_, H), dt, normalize_scale(scale, D), allowed,
-                       bias)
+    k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
     return fwd.out.astype(dt), fwd.lse
 
 
@@ -738,14 +723,15 @@ def lowp_reference_backward(
     dt = _lowp_dtype(q, dtype)
     q_, k_, v_ = (np.asarray(to_host(x)) for x in (q, k, v))
     B, H, Nq, D = q_.shape
-    Nk = k_.shape[2]
+    Nk, Hkv = k_.shape[2], k_.shape[1]
+    from .reference import repeat_kv_heads, sum_kv_groups
     from .semantics import normalize_scale
 
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
-    fwd = _LowpForward(q_, _repeat_heads(k_, H), _repeat_heads(v_, H), dt, normalize_scale(scale, D), allowed,
-                       bias)
+    k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
     rnd = fwd.rnd
     dO = np.asarray(to_host(dout), dtype=np.float32)
     dv = rnd(np.matmul(np.swapaxes(fwd.Pd, -1, -2), dO))
@@ -756,8 +742,7 @@ def lowp_reference_backward(
     dq = rnd(np.matmul(dS, fwd.k))
     dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
     # Grouped K/V heads: the backward of repeating them sums each group (float32, rounded once).
-    Hkv = k_.shape[1]
-    dk, dv = rnd(_sum_groups(dk, Hkv)), rnd(_sum_groups(dv, Hkv))
+    dk, dv = rnd(sum_kv_groups(dk, Hkv)), rnd(sum_kv_groups(dv, Hkv))
     return dq.astype(dt), dk.astype(dt), dv.astype(dt)
 
 

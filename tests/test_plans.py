@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pycudaflash import _calls, _driver, _validate
+from pycudaflash import _calls, _driver, _validate, compiler
 from pycudaflash._arrays import byte_span
 from pycudaflash._streams import stream_handle
 from pycudaflash.cuda_backend import _bits, _Kernel, _Ref
@@ -115,3 +115,64 @@ def test_default_streams_are_never_captured_and_the_driver_is_not_asked() -> Non
 
     for handle in _driver.DEFAULT_STREAMS:
         assert _driver.is_capturing(handle) is False
+
+
+class _FakeVariant:
+    """A variant of pass ``pass_`` whose kernels need no GPU: handles 0, formats read from the source."""
+
+    def __init__(self, pass_: str, defs: dict) -> None:
+        self.pass_, self.defs = pass_, defs
+        self.tiles = compiler.tiles(defs["HEAD_DIM"], "float16", "sm_80")
+
+    def function(self, kernel: str) -> int:
+        return 0
+
+    def smem(self, kernel: str) -> int:
+        return 0
+
+    def format(self, kernel: str) -> str:
+        return compiler.parameter_format(self.pass_, kernel)
+
+    def backward_block(self) -> tuple:
+        return self.tiles.bwd_bc, 32 * compiler.BWD_WARPS
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: int) -> None:
+    """With fewer K/V heads the dK/dV kernel writes per query head into the workspace (contiguous
+    (B, H, Nk, D)) and a last kernel sums each group into dk, dv; without, it writes dk, dv itself."""
+    from pycudaflash import cuda_backend
+
+    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, "none", "float16", "sm_80", groups=hkv < 4))
+    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+    B, H, Nq, Nk, D = 2, 4, 33, 70, 64
+    x = {n: np.ones(s, np.float16) for n, s in (("q", (B, H, Nq, D)), ("k", (B, hkv, Nk, D)),
+                                                 ("v", (B, hkv, Nk, D)), ("dout", (B, H, Nq, D)),
+                                                 ("out", (B, H, Nq, D)))}
+    prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32))
+    names = cuda_backend.OPERANDS["bwd"][:-1]
+    shapes = dict(zip((names[i] for i in cuda_backend.BackwardPlan.OUTPUTS), cuda_backend._output_shapes(prob, "bwd")))
+    assert shapes["dk"] == shapes["dv"] == (B, hkv, Nk, D)
+    plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
+    kernels = {k.name: k for k in plan.kernels}
+    dkdv = kernels["flash_bwd_dkdv_kernel"]
+    P = cuda_backend.BackwardPlan
+    refs = {i: (src, off) for i, src, off in dkdv.refs}
+    dk_strides = [dkdv.slots[i] for i in range(26, 29)]  # dk_sb, dk_sh, dk_sn (after Nq, Nk, D and q, k, v, dout strides)
+    assert dkdv.slots[len(dkdv.slots) - 1] == H // hkv  # kv_group, the last parameter
+    assert dkdv.slots[len(dkdv.slots) - 2] == 1  # vec: 16-byte loads and paired stores (D 64, aligned rows)
+    if hkv == H:
+        assert refs[7] == (P.DK, 0) and refs[8] == (P.DV, 0) and "flash_bwd_sum_groups" not in kernels
+        assert dk_strides == [hkv * Nk * D, Nk * D, D]
+        return
+    # Per-query-head dK, dV in the workspace, contiguous (B, H, Nk, D), then summed into dk, dv.
+    assert refs[7][0] == refs[8][0] == P.WS and refs[8][1] - refs[7][1] >= 2 * B * H * Nk * D
+    assert dk_strides == [H * Nk * D, Nk * D, D]
+    sums = kernels["flash_bwd_sum_groups"]
+    assert plan.kernels[-1] is sums and sums.grid[1] == 2
+    srefs = {i: (src, off) for i, src, off in sums.refs}
+    assert srefs == {0: refs[7], 1: refs[8], 2: (P.DK, 0), 3: (P.DV, 0)}
+    assert list(sums.slots)[4:9] == [hkv, H // hkv, Nk, D, B * hkv * Nk * D]
+    assert list(sums.slots)[9:15] == [hkv * Nk * D, Nk * D, D] * 2
+    assert plan.ws_bytes >= 2 * 2 * B * H * Nk * D
