@@ -135,18 +135,60 @@ def _bits(code: str, value: Any) -> int:
     return int(value) & 0xFFFFFFFFFFFFFFFF  # 'q' and 'P'
 
 
+class _Pointers:
+    """The pointer parameters of one plan's launches, in one ctypes array.
+
+    Slots ``0 .. n-1`` hold the call's value slots (the plan's ``vals``);
+    after them, one slot for each distinct ``vals[src] + offset`` that a
+    kernel takes (a workspace region, ...).  Every kernel's pointer
+    parameters point into this array, so a call writes each pointer once
+    (:meth:`fill`) however many kernels read it.
+    """
+
+    CAPACITY = 32
+
+    __slots__ = ("n", "array", "derived", "_slots")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.array = (ctypes.c_uint64 * self.CAPACITY)()
+        self.derived: Tuple[Tuple[int, int, int], ...] = ()  # (slot, src, offset)
+        self._slots: Dict[Tuple[int, int], int] = {}
+
+    def address(self, ref: "_Ref") -> int:
+        """Address of the slot holding ``ref``'s value (a new slot for a new offset)."""
+        if not 0 <= ref.src < self.n:
+            raise ValueError(f"pointer reference to value slot {ref.src} of {self.n}")
+        slot = ref.src if ref.offset == 0 else self._slots.get((ref.src, ref.offset))
+        if slot is None:
+            slot = self.n + len(self.derived)
+            if slot >= self.CAPACITY:
+                raise ValueError(f"more than {self.CAPACITY} distinct pointer parameters")
+            self._slots[(ref.src, ref.offset)] = slot
+            self.derived += ((slot, ref.src, ref.offset),)
+        return ctypes.addressof(self.array) + 8 * slot
+
+    def fill(self, vals: Sequence[int]) -> None:
+        """Write a call's values and the pointers derived from them."""
+        a = self.array
+        a[:self.n] = vals
+        for slot, src, offset in self.derived:
+            a[slot] = vals[src] + offset
+
+
 class _Kernel:
     """One kernel launch with its parameters packed once.
 
     Each parameter has an 8-byte slot; the driver copies each parameter's
-    own size from its slot.  Pointer parameters given as :class:`_Ref` are
-    written at launch time, everything else is fixed.
+    own size from its slot.  Pointer parameters given as :class:`_Ref` point
+    into the plan's :class:`_Pointers` instead, written by each call;
+    everything else is fixed.  ``launch(stream)`` launches it.
     """
 
-    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs", "_launch")
+    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs", "pointers", "launch")
 
     def __init__(self, name: str, fn: Any, grid: Tuple[int, int, int], threads: int, smem: int,
-                 fmt: str, args: Sequence[Any]) -> None:
+                 fmt: str, args: Sequence[Any], pointers: _Pointers) -> None:
         if len(fmt) != len(args):
             raise ValueError(f"{name}: {len(args)} arguments for a format of {len(fmt)}")
         n = len(args)
@@ -161,16 +203,12 @@ class _Kernel:
                 if code != "P":
                     raise ValueError(f"{name}: parameter {i} is a pointer reference but its format is {code!r}")
                 refs.append((i, arg.src, arg.offset))
+                self.addrs[i] = pointers.address(arg)
             else:
                 self.slots[i] = _bits(code, arg)
         self.refs = tuple(refs)
-        self._launch = _driver.Launch(self.fn, self.grid, self.block, self.smem, self.addr)
-
-    def launch(self, vals: Sequence[int], stream: int) -> None:
-        slots = self.slots
-        for i, src, off in self.refs:
-            slots[i] = vals[src] + off
-        self._launch(stream)
+        self.pointers = pointers  # (kept alive with the addresses into it)
+        self.launch = _driver.Launch(self.fn, self.grid, self.block, self.smem, self.addr)
 
 
 # ------------------------------------------------------- per-stream device state
@@ -358,9 +396,10 @@ class _Workspace:
         return off
 
 
-def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple[int, ...], src: int,
-               ws_src: int) -> Tuple[Any, Tuple[int, ...], Optional[_Kernel]]:
-    """The mask pointer a pass reads, its strides, and the conversion launch a 16-bit float mask needs.
+def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple[int, ...],
+               plan: "_Plan") -> Tuple[Any, Tuple[int, ...], Optional[_Kernel]]:
+    """The mask pointer a pass reads, its strides, and the conversion launch a 16-bit float mask needs
+    (reading ``plan``'s mask and workspace value slots).
 
     A device float mask stored in the inputs' 16-bit type is converted into
     a compact float32 copy in the workspace (size 1 on broadcast dims).
@@ -368,6 +407,7 @@ def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple
     m = prob.mask
     if m is None:
         return 0, (0, 0, 0, 0), None
+    src, ws_src = plan.M, plan.WS
     if m.dtype.kind == "b" or m.dtype == np.float32:
         return _Ref(src), mask_strides, None
     dims = tuple(1 if st == 0 else n for n, st in zip(m.shape, mask_strides))
@@ -376,7 +416,8 @@ def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple
     blocks = _grid_stride_blocks(total)
     conv = _Kernel("flash_convert_mask", var.function("flash_convert_mask"), (blocks, 1, 1), 256, 0,
                    var.format("flash_convert_mask"),
-                   (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total))
+                   (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total),
+                   plan.pointers)
     cs = c_strides(dims)
     return _Ref(ws_src, off), tuple(0 if st == 0 else c for st, c in zip(mask_strides, cs)), conv
 
@@ -389,6 +430,7 @@ class _Plan:
     """What every plan has: its kernels, workspace size and launch lock."""
 
     kernels: List[_Kernel]
+    pointers: _Pointers  # the pointer parameters of every kernel
     ws_bytes: int
     kl_offset: int  # workspace offset of host key lengths (-1: none)
     dims: Tuple[int, int, int, int, int]  # B, H, Nq, Nk, D
@@ -410,13 +452,20 @@ class _Plan:
         the key lengths, workspace and job counter (set by :func:`execute`)."""
         return [*ptrs, *(0,) * (self.N_VALS - len(ptrs))]
 
+    def _finish(self, kernels: List[_Kernel], ws: "_Workspace", pass_: str) -> None:
+        self.kernels = kernels
+        self._launches = tuple(k.launch for k in kernels)
+        self.ws_bytes = ws.nbytes
+        self.pass_ = pass_
+
     def launch(self, vals: List[int], ctx: int, stream: int) -> None:
         """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place)."""
         if self.counter:
             vals[self.CNT] = _job_counter(ctx, stream)
-        with self._lock:
-            for k in self.kernels:
-                k.launch(vals, stream)
+        with self._lock:  # (the pointer slots are the plan's: one call at a time)
+            self.pointers.fill(vals)
+            for launch in self._launches:
+                launch(stream)
 
 
 class ForwardPlan(_Plan):
@@ -434,13 +483,14 @@ class ForwardPlan(_Plan):
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
         _check_grid(prob)
         self._lock = threading.Lock()
+        self.pointers = _Pointers(self.N_VALS)
         B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
         var = _variant(prob, "fwd")
         hopper = var.pass_ == "fwd_sm90"
         ws = _Workspace()
         self._describe(prob, "fwd")
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
-        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
+        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self)
         itemsize = np.dtype(prob.dtype).itemsize
         # 16-bit outputs are stored in aligned pairs under the same condition.
         names = ("q", "k", "v") if itemsize == 4 else ("q", "k", "v", "out")
@@ -470,11 +520,9 @@ class ForwardPlan(_Plan):
              Nq, Nk, D,
              *_three(strides["q"]), *_three(strides["k"]), *_three(strides["v"]), *_three(strides["out"]),
              *_three(strides["lse"]), *mask_strides,
-             prob.scale * LOG2E, lo, hi, vec, *extra, H // prob.kv_heads),
+             prob.scale * LOG2E, lo, hi, vec, *extra, H // prob.kv_heads), self.pointers,
         )
-        self.kernels = ([conv] if conv is not None else []) + [main]
-        self.ws_bytes = ws.nbytes
-        self.pass_ = var.pass_
+        self._finish(([conv] if conv is not None else []) + [main], ws, var.pass_)
 
 
 def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
@@ -512,6 +560,7 @@ class BackwardPlan(_Plan):
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
         _check_grid(prob)
         self._lock = threading.Lock()
+        self.pointers = _Pointers(self.N_VALS)
         self.counter = False
         B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
         var = _variant(prob, "bwd")
@@ -526,7 +575,7 @@ class BackwardPlan(_Plan):
         self._describe(prob, "bwd")
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
         off_dq = -1 if prob.deterministic else ws.region(4 * rows * D)
-        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self.M, self.WS)
+        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self)
         d_ref, l2_ref = _Ref(self.WS, off_d), _Ref(self.WS, off_l2)
         dqacc = _Ref(self.WS, off_dq) if off_dq >= 0 else 0
         kl = _Ref(self.KL)  # (0: no key lengths)
@@ -555,7 +604,7 @@ class BackwardPlan(_Plan):
             "flash_bwd_preprocess", var.function("flash_bwd_preprocess"), row_blocks, 32 * compiler.PRE_WARPS, 0,
             var.format("flash_bwd_preprocess"),
             (do, _Ref(self.O), _Ref(self.L), d_ref, l2_ref, dqacc, H, Nq, D, rows, *st["dout"], *st["out"],
-             *st["lse"])))
+             *st["lse"]), self.pointers))
         # 2. dK, dV (and dQ by atomics): one block per key tile, grid (H, B, key tiles).
         keys, threads = var.backward_block()
         if -(-Nk // keys) > MAX_GRID_YZ:
@@ -566,7 +615,7 @@ class BackwardPlan(_Plan):
             threads, var.smem("flash_bwd_dkdv_kernel"), var.format("flash_bwd_dkdv_kernel"),
             (q, k, v, do, d_ref, l2_ref, dqacc, dk_ref, dv_ref, mask_ref, kl,
              Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk_h"], *st["dv_h"], *mask_strides,
-             scale_log2, scale, lo, hi, vec, group)))
+             scale_log2, scale, lo, hi, vec, group), self.pointers))
         # 3. dQ: deterministic kernel, or rounding of the accumulator.
         if prob.deterministic:
             kernels.append(_Kernel(
@@ -575,21 +624,21 @@ class BackwardPlan(_Plan):
                 var.smem("flash_bwd_dq_kernel"), var.format("flash_bwd_dq_kernel"),
                 (q, k, v, do, d_ref, l2_ref, _Ref(self.DQ), mask_ref, kl,
                  Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dq"], *mask_strides,
-                 scale_log2, scale, lo, hi, vec, group)))
+                 scale_log2, scale, lo, hi, vec, group), self.pointers))
         else:
             kernels.append(_Kernel(
                 "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * compiler.PRE_WARPS, 0,
-                var.format("flash_bwd_convert_dq"), (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec)))
+                var.format("flash_bwd_convert_dq"), (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec),
+                self.pointers))
         # 4. Grouped K/V heads: dK, dV of each K/V head, the sum over its group (a fixed order).
         if group > 1:
             total = B * Hkv * Nk * D
             kernels.append(_Kernel(
                 "flash_bwd_sum_groups", var.function("flash_bwd_sum_groups"),
                 (_grid_stride_blocks(total), 2, 1), 256, 0, var.format("flash_bwd_sum_groups"),
-                (dk_ref, dv_ref, _Ref(self.DK), _Ref(self.DV), Hkv, group, Nk, D, total, *st["dk"], *st["dv"])))
-        self.kernels = kernels
-        self.ws_bytes = ws.nbytes
-        self.pass_ = var.pass_
+                (dk_ref, dv_ref, _Ref(self.DK), _Ref(self.DV), Hkv, group, Nk, D, total, *st["dk"], *st["dv"]),
+                self.pointers))
+        self._finish(kernels, ws, var.pass_)
 
 
 # ------------------------------------------------------------ running a plan
@@ -614,23 +663,24 @@ def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl
     caller owns one (``workspace``, at least ``plan.ws_bytes``).
     """
     if plan.ws_bytes == 0 or workspace:
-        _launch_with(plan, vals, ctx, stream, kl_host, workspace)
+        launch_plan(plan, vals, ctx, stream, kl_host, workspace)
         return
     torch = _torch_current(like, stream)
     if torch is not None:
         buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)  # (freed after the launches, in stream order)
-        _launch_with(plan, vals, ctx, stream, kl_host, buf.data_ptr())
+        launch_plan(plan, vals, ctx, stream, kl_host, buf.data_ptr())
         return
     base = _driver.alloc_async(plan.ws_bytes, device, stream)
     try:
-        _launch_with(plan, vals, ctx, stream, kl_host, base)
+        launch_plan(plan, vals, ctx, stream, kl_host, base)
     finally:
         _driver.free_async(base, stream)
 
 
-def _launch_with(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Optional[np.ndarray],
-                 workspace: int) -> None:
-    """Launch ``plan`` with ``workspace``, host key lengths copied into it first."""
+def launch_plan(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Optional[np.ndarray],
+                workspace: int) -> None:
+    """Launch ``plan`` with ``workspace`` (at least ``plan.ws_bytes``; 0 when it needs none), host
+    key lengths copied into it first."""
     vals[plan.WS] = workspace
     if kl_host is not None and plan.kl_offset >= 0:
         dst = workspace + plan.kl_offset

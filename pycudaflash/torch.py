@@ -254,6 +254,10 @@ def _check_device_key_lengths(kl: Optional[Tensor], q: Tensor) -> None:
         raise ValueError(f"key_lengths is on {kl.device} but q is on {q.device}")
 
 
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+
+
 def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: Tuple[int, ...],
             kl: Optional[Tensor], q: Tensor) -> None:
     """Launch pass ``kind`` on torch's current stream: the plan of ``key``, made on first use from
@@ -271,13 +275,23 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
             vals[plan.KL] = kl.data_ptr()
         else:
             kl_host = _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
-    # The workspace comes from torch's caching allocator, ordered on this stream like the launches
-    # (freed on return, reused by later work on the stream only).
-    ws = q.new_empty((plan.ws_bytes,), dtype=torch.uint8) if plan.ws_bytes else None
+    stream = torch._C._cuda_getCurrentRawStream(device)
     ctx, pushed = _driver.enter(device)
     try:
-        cuda_backend.execute(plan, vals, ctx, device, torch._C._cuda_getCurrentRawStream(device), kl_host, None,
-                             0 if ws is None else ws.data_ptr())
+        if not plan.ws_bytes:
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, 0)
+        elif torch._C._cuda_getDevice() == device:
+            # The workspace comes from torch's caching allocator, ordered on this stream like the
+            # launches: freed on return, reused by later work on the stream only (and taken from a
+            # graph's private pool while the stream is captured).
+            ws = _raw_alloc(plan.ws_bytes, stream)
+            try:
+                cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws)
+            finally:
+                _raw_delete(ws)
+        else:  # (the raw allocator serves torch's current device only)
+            ws_tensor = q.new_empty((plan.ws_bytes,), dtype=torch.uint8)
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws_tensor.data_ptr())
     finally:
         _driver.leave(pushed)
 

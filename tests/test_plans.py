@@ -14,7 +14,7 @@ import pytest
 from pycudaflash import _calls, _driver, _validate, compiler
 from pycudaflash._arrays import byte_span
 from pycudaflash._streams import stream_handle
-from pycudaflash.cuda_backend import _bits, _Kernel, _Ref
+from pycudaflash.cuda_backend import _bits, _Kernel, _Pointers, _Ref
 
 
 class _Proto:
@@ -63,23 +63,34 @@ class _FakeLaunch:
 def test_kernel_packs_fixed_parameters_and_references(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeLaunch()
     monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: fake)
-    k = _Kernel("k", 0x1234, (3, 2, 1), 128, 4096, "PiqfP", (_Ref(2, 64), -3, 1 << 40, 0.25, 0))
+    ptrs = _Pointers(3)
+    k = _Kernel("k", 0x1234, (3, 2, 1), 128, 4096, "PiqfPP", (_Ref(2, 64), -3, 1 << 40, 0.25, 0, _Ref(1)), ptrs)
     assert k.fn == 0x1234 and k.grid == (3, 2, 1) and k.block == (128, 1, 1) and k.smem == 4096
-    assert list(k.slots) == [0, 0xFFFFFFFD, 1 << 40, _bits("f", 0.25), 0]
-    assert k.refs == ((0, 2, 64),)
-    # The argument-pointer array points at the slots, 8 bytes apart.
-    base = ctypes.addressof(k.slots)
-    assert [k.addrs[i] for i in range(5)] == [base + 8 * i for i in range(5)]
-    # A launch writes the referenced pointer (value 2 plus offset 64) and passes the rest as packed.
-    k.launch([0, 0, 0x7F0000002000], 0x5000)
-    assert k.slots[0] == 0x7F0000002040
+    assert list(k.slots) == [0, 0xFFFFFFFD, 1 << 40, _bits("f", 0.25), 0, 0]
+    assert k.refs == ((0, 2, 64), (5, 1, 0))
+    # Fixed parameters point at the kernel's slots, 8 bytes apart; references into the pointer
+    # table: a value slot itself (offset 0) or a slot after the values for value + offset.
+    base, table = ctypes.addressof(k.slots), ctypes.addressof(ptrs.array)
+    assert [k.addrs[i] for i in range(1, 5)] == [base + 8 * i for i in range(1, 5)]
+    assert k.addrs[5] == table + 8 * 1 and k.addrs[0] == table + 8 * 3
+    assert ptrs.derived == ((3, 2, 64),)
+    # A second kernel taking the same value + offset shares its slot.
+    k2 = _Kernel("k2", 0x99, (1, 1, 1), 32, 0, "P", (_Ref(2, 64),), ptrs)
+    assert k2.addrs[0] == k.addrs[0] and ptrs.derived == ((3, 2, 64),)
+    # A call writes the values and the derived pointers; the launch passes the argument array.
+    ptrs.fill([0, 0x7F0000001000, 0x7F0000002000])
+    assert ptrs.array[0:4] == [0, 0x7F0000001000, 0x7F0000002000, 0x7F0000002040]
+    k.launch(0x5000)
     assert fake.calls == [(0x1234, 3, 2, 1, 128, 1, 1, 4096, 0x5000, k.addr, None)]
-    k.launch([0, 0, 0x100], 0)  # the default stream: a null handle
-    assert k.slots[0] == 0x140 and fake.calls[-1][8] is None
+    ptrs.fill([0, 0, 0x100])
+    k.launch(0)  # the default stream: a null handle
+    assert ptrs.array[3] == 0x140 and fake.calls[-1][8] is None
     with pytest.raises(ValueError, match="format"):
-        _Kernel("k", 1, (1, 1, 1), 32, 0, "i", (_Ref(0),))
-    with pytest.raises(ValueError, match="arguments"):
-        _Kernel("k", 1, (1, 1, 1), 32, 0, "ii", (1,))
+        _Kernel("k", 1, (1, 1, 1), 32, 0, "i", (_Ref(0),), ptrs)
+    with pytest.raises(ValueError, match="value slot 3 of 3"):
+        _Kernel("k", 1, (1, 1, 1), 32, 0, "P", (_Ref(3),), ptrs)
+    with pytest.raises(ValueError, match="format"):
+        _Kernel("k", 1, (1, 1, 1), 32, 0, "ii", (1,), ptrs)
 
 
 def test_outputs_disjoint_by_address_range() -> None:
@@ -173,6 +184,7 @@ def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: in
     assert plan.kernels[-1] is sums and sums.grid[1] == 2
     srefs = {i: (src, off) for i, src, off in sums.refs}
     assert srefs == {0: refs[7], 1: refs[8], 2: (P.DK, 0), 3: (P.DV, 0)}
+    assert sums.addrs[0] == dkdv.addrs[7] and sums.addrs[1] == dkdv.addrs[8]  # (one pointer slot each)
     assert list(sums.slots)[4:9] == [hkv, H // hkv, Nk, D, B * hkv * Nk * D]
     assert list(sums.slots)[9:15] == [hkv * Nk * D, Nk * D, D] * 2
     assert plan.ws_bytes >= 2 * 2 * B * H * Nk * D
