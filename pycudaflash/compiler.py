@@ -31,6 +31,7 @@ import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -293,6 +294,35 @@ SMEM_ALIGN = 1024  # alignment slack of the swizzled tiles
 LAYOUT: Dict[str, int] = dict(BWD_WARPS=BWD_WARPS, DQ_WARPS=DQ_WARPS, PRE_ROWS=PRE_ROWS, PRE_WARPS=PRE_WARPS,
                               SMEM_PAD=SMEM_PAD, SMEM_PAD_H=SMEM_PAD_H, SWZ_COLS=SWZ_COLS, SMEM_ALIGN=SMEM_ALIGN,
                               WG_THREADS=WG_THREADS)
+
+
+_ELF_SECTION = struct.Struct("<IIQQQQIIQQ")  # name, type, flags, addr, offset, size, link, info, align, entsize
+_ELF_SYMBOL = struct.Struct("<IBBHQQ")  # name, info, other, section index, value, size
+_SHT_SYMTAB = 2
+
+
+def cubin_constant(image: bytes, name: str) -> int:
+    """The initial value of the ``int`` constant ``name`` (a ``__constant__`` variable of the source)
+    in a cubin, an ELF64 file: how a kernel states a size the launch code needs (its shared
+    memory, say) once, in CUDA, and the launch code reads it without a GPU."""
+    if image[:4] != b"\x7fELF" or image[4] != 2 or image[5] != 1:
+        raise ValueError("not a little-endian ELF64 image")
+    shoff = struct.unpack_from("<Q", image, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", image, 0x3A)
+    sections = [_ELF_SECTION.unpack_from(image, shoff + i * shentsize) for i in range(shnum)]
+    want = name.encode()
+    for sec in sections:
+        if sec[1] != _SHT_SYMTAB:
+            continue
+        strings = sections[sec[6]][4]
+        for off in range(sec[4], sec[4] + sec[5], sec[9]):
+            st_name, _, _, shndx, value, size = _ELF_SYMBOL.unpack_from(image, off)
+            end = image.index(b"\0", strings + st_name)
+            if image[strings + st_name:end] == want:
+                if size != 4 or not 0 < shndx < shnum:
+                    raise ValueError(f"symbol {name!r} is not a 4-byte constant with a value")
+                return struct.unpack_from("<i", image, sections[shndx][4] + value)[0]
+    raise KeyError(f"no symbol {name!r} in the image")
 
 
 def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None,
