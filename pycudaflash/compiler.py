@@ -26,6 +26,7 @@ build every variant the library can request.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import os
@@ -38,7 +39,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 COMMON = "flash_common.cuh"
 #: The source file of each pass; it reaches the shared headers through
@@ -501,6 +502,131 @@ def parameter_format(pass_: str, kernel: str) -> str:
     if len(formats) != 1:
         raise ValueError(f"{pass_}/{kernel}: {len(formats)} distinct signatures found in the source")
     return formats.pop()
+
+
+#: C types of the fields of a parameter struct and of a kernel's scalar parameters, with the
+#: ctypes type that lays them out as the C compilers do.
+FIELD_TYPES: Dict[str, Any] = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "int": ctypes.c_int32,
+                               "u32": ctypes.c_uint32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float}
+#: Bytes a kernel's parameters may fill (the classic limit of every architecture).
+PARAM_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class ParamStruct:
+    """A parameter struct of the source: its fields ``(name, C type)`` in declaration order and
+    ``ctype``, a :class:`ctypes.Structure` of the same fields (hence the same C layout)."""
+
+    name: str
+    fields: Tuple[Tuple[str, str], ...]
+    ctype: Any
+
+    @property
+    def size(self) -> int:
+        return ctypes.sizeof(self.ctype)
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """What a kernel takes, read from its signature: ``pointers``, the names of its leading
+    ``__restrict__`` pointer parameters; ``scalars``, the ``(name, C type)`` of the few scalar
+    parameters after them; last, one ``const __grid_constant__`` struct (its pass's scalars)."""
+
+    pointers: Tuple[str, ...]
+    scalars: Tuple[Tuple[str, str], ...]
+    struct: ParamStruct
+
+    @property
+    def size(self) -> int:
+        """Bytes of the kernel's parameters (each pointer or scalar in 8 at most, the struct after)."""
+        return 8 * (len(self.pointers) + len(self.scalars)) + self.struct.size
+
+    def names(self) -> Tuple[str, ...]:
+        """Every name the launch code fills: pointers, scalars and struct fields."""
+        return self.pointers + tuple(n for n, _ in self.scalars) + tuple(n for n, _ in self.struct.fields)
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/", " ", re.sub(r"//[^\n]*", "", text), flags=re.S)
+
+
+def _declared_type(text: str, where: str) -> str:
+    base = re.sub(r"\s+", " ", re.sub(r"\bconst\b", "", text)).strip()
+    if base not in FIELD_TYPES:
+        raise ValueError(f"{where}: no layout for type {base!r} (one of {sorted(FIELD_TYPES)})")
+    return base
+
+
+@functools.lru_cache(maxsize=None)
+def param_struct(pass_: str, name: str) -> ParamStruct:
+    """Fields and C layout of ``struct name`` as pass ``pass_``'s source declares it: lines
+    ``TYPE NAME[, NAME ...];`` of the types in :data:`FIELD_TYPES`, nothing else (no pointers:
+    those are kernel parameters of their own)."""
+    text = _strip_comments(source(pass_))
+    found = re.findall(r"\bstruct\s+" + re.escape(name) + r"\s*\{([^{}]*)\}\s*;", text)
+    if len(found) != 1:
+        raise ValueError(f"{pass_}: {len(found)} definitions of struct {name} in the source")
+    fields: List[Tuple[str, str]] = []
+    where = f"{pass_}: struct {name}"
+    for decl in filter(None, (d.strip() for d in found[0].split(";"))):
+        m = re.fullmatch(r"([A-Za-z_][\w ]*?)\s+([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)", decl)
+        if m is None:
+            raise ValueError(f"{where}: cannot lay out the declaration {decl!r}")
+        ctype = _declared_type(m.group(1), where)
+        for field in (f.strip() for f in m.group(2).split(",")):
+            if any(field == f for f, _ in fields):
+                raise ValueError(f"{where}: field {field!r} declared twice")
+            fields.append((field, ctype))
+    if not fields:
+        raise ValueError(f"{where} has no fields")
+    layout = type(name, (ctypes.Structure,), {"_fields_": [(f, FIELD_TYPES[t]) for f, t in fields]})
+    return ParamStruct(name, tuple(fields), layout)
+
+
+_POINTER_PARAM = re.compile(r"(?:const\s+)?[A-Za-z_][\w ]*?\s*\*\s*(?:const\s+)?__restrict__\s+([A-Za-z_]\w*)")
+_SCALAR_PARAM = re.compile(r"((?:const\s+)?[A-Za-z_][\w ]*?)\s+([A-Za-z_]\w*)")
+_STRUCT_PARAM = re.compile(r"const\s+__grid_constant__\s+([A-Za-z_]\w*)\s+[A-Za-z_]\w*")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_params(pass_: str, kernel: str) -> KernelParams:
+    """The parameters of ``kernel`` in pass ``pass_``, read from its signature in the source:
+    ``__restrict__`` pointers, then scalars, then ``const __grid_constant__ NAME p`` with
+    ``struct NAME`` in the source (:func:`param_struct`).  The launch code fills all of them by
+    name, so that it and the kernel cannot disagree.  A kernel defined more than once (one
+    definition per ``#if`` branch) must take the same parameters in each."""
+    text = _strip_comments(source(pass_))
+    found = set()
+    where = f"{pass_}/{kernel}"
+    for m in re.finditer(r'extern\s+"C"\s+__global__[^;{]*?\b' + re.escape(kernel) + r"\s*\(([^()]*)\)", text):
+        params = [re.sub(r"\s+", " ", p).strip() for p in m.group(1).split(",")]
+        last = _STRUCT_PARAM.fullmatch(params[-1])
+        if last is None:
+            raise ValueError(f"{where}: the last parameter {params[-1]!r} is not 'const __grid_constant__ STRUCT p'")
+        pointers: List[str] = []
+        scalars: List[Tuple[str, str]] = []
+        for p in params[:-1]:
+            ptr = _POINTER_PARAM.fullmatch(p)
+            if ptr is not None:
+                if scalars:
+                    raise ValueError(f"{where}: pointer parameter {p!r} after a scalar one")
+                pointers.append(ptr.group(1))
+                continue
+            sc = _SCALAR_PARAM.fullmatch(p)
+            if sc is None or "*" in p:
+                raise ValueError(f"{where}: parameter {p!r} is neither a '__restrict__' pointer nor a scalar")
+            scalars.append((sc.group(2), _declared_type(sc.group(1), where)))
+        found.add((tuple(pointers), tuple(scalars), last.group(1)))
+    if len(found) != 1:
+        raise ValueError(f"{where}: {len(found)} distinct signatures in the source")
+    pointers_, scalars_, name = found.pop()
+    params = KernelParams(pointers_, scalars_, param_struct(pass_, name))
+    names = params.names()
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: a name repeats among its parameters and the fields of struct {name}")
+    if params.size > PARAM_LIMIT:
+        raise ValueError(f"{where}: {params.size} bytes of parameters, over the limit of {PARAM_LIMIT}")
+    return params
 
 
 def options(defs: Dict[str, int]) -> List[str]:

@@ -251,3 +251,77 @@ def test_every_define_a_kernel_requires_is_given() -> None:
             assert required and required <= given, f"{pass_} {arch}: missing {required - given}"
     with pytest.raises(ValueError, match="layout constants"):
         compiler.options({"HEAD_DIM": 64, "BWD_WARPS": 4})
+
+
+_SYNTHETIC = '''
+struct DemoParams {
+    int Nq, Nk;          // sizes
+    i64 q_sb, q_sh;      /* strides */
+    float scale;
+    u32 flags;
+    i64 total;
+};
+extern "C" __global__ void __launch_bounds__(128, 1)
+demo_kernel(const float *__restrict__ Q, float *__restrict__ O, int D,
+            const __grid_constant__ DemoParams p) {}
+'''
+
+
+def _with_source(tmp_path, monkeypatch, text: str) -> None:
+    (tmp_path / "flash_common.cuh").write_text("// x\n")
+    (tmp_path / "flash_fwd.cu").write_text(text)
+    monkeypatch.setattr(compiler, "kernel_dir", lambda: tmp_path)
+    for fn in (compiler.source, compiler.param_struct, compiler.kernel_params):
+        fn.cache_clear()
+
+
+@pytest.fixture
+def fresh_caches():
+    yield
+    for fn in (compiler.source, compiler.param_struct, compiler.kernel_params):
+        fn.cache_clear()
+
+
+def test_kernel_params_are_read_from_the_signature_and_the_struct(tmp_path, monkeypatch, fresh_caches) -> None:
+    import ctypes
+
+    _with_source(tmp_path, monkeypatch, _SYNTHETIC)
+    kp = compiler.kernel_params("fwd", "demo_kernel")
+    assert kp.pointers == ("Q", "O") and kp.scalars == (("D", "int"),)
+    st = kp.struct
+    assert st.name == "DemoParams"
+    assert st.fields == (("Nq", "int"), ("Nk", "int"), ("q_sb", "i64"), ("q_sh", "i64"), ("scale", "float"),
+                         ("flags", "u32"), ("total", "i64"))
+    # The C layout: 64-bit fields 8-aligned (scale and flags share 8 bytes), sizeof a multiple of 8.
+    offsets = {name: getattr(st.ctype, name).offset for name, _ in st.fields}
+    assert offsets == {"Nq": 0, "Nk": 4, "q_sb": 8, "q_sh": 16, "scale": 24, "flags": 28, "total": 32}
+    assert st.size == ctypes.sizeof(st.ctype) == 40
+    assert kp.size == 8 * 3 + 40
+    assert kp.names() == ("Q", "O", "D", "Nq", "Nk", "q_sb", "q_sh", "scale", "flags", "total")
+
+
+@pytest.mark.parametrize("signature, message", [
+    ("const float *__restrict__ Q, int D", "is not 'const __grid_constant__ STRUCT p'"),
+    ("const float *Q, const __grid_constant__ DemoParams p", "neither a '__restrict__' pointer nor a scalar"),
+    ("int D, float *__restrict__ O, const __grid_constant__ DemoParams p", "pointer parameter .* after a scalar"),
+    ("double x, const __grid_constant__ DemoParams p", "no layout for type 'double'"),
+    ("const float *__restrict__ Nq, const __grid_constant__ DemoParams p", "a name repeats"),
+    ("const __grid_constant__ Missing p", "0 definitions of struct Missing"),
+])
+def test_bad_kernel_signatures_are_refused(tmp_path, monkeypatch, fresh_caches, signature, message) -> None:
+    text = _SYNTHETIC.replace(_SYNTHETIC[_SYNTHETIC.index("demo_kernel("):], f"demo_kernel({signature}) {{}}\n")
+    _with_source(tmp_path, monkeypatch, text)
+    with pytest.raises(ValueError, match=message):
+        compiler.kernel_params("fwd", "demo_kernel")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("int a; int a;", "field 'a' declared twice"),
+    ("const float *x;", "cannot lay out"),
+    ("double d;", "no layout for type 'double'"),
+    ("", "has no fields"),
+])
+def test_bad_param_structs_are_refused(tmp_path, monkeypatch, fresh_caches, body, message) -> None:
+    _with_source(tmp_path, monkeypatch, "struct S {" + body + "};\n")
+    with pytest.raises(ValueError, match=message):
+        compiler.param_struct("fwd", "S")
