@@ -2,9 +2,11 @@
 """Write ``cuda_src/flash_wgmma.cuh``: the warpgroup MMA wrappers of the sm_90 kernels.
 
 A ``wgmma.mma_async`` instruction names every accumulator register of its
-64 x N tile (N/2 floats a thread), so each N needs its own inline-assembly
-statement; this script writes them out instead of hand-copying 32 to 128
-operands.  Run it after changing the list of shapes below::
+64 x N tile (N/2 floats a thread).  The header builds those operand lists
+once, with preprocessor macros, and defines every wrapper with one macro,
+WGMMA_WRAPPER; this script writes the header's list of wrappers (one line a
+shape, with the numbers of the operands that follow the accumulators).  Run
+it after changing the list of shapes below::
 
     python3 scripts/gen_wgmma.py            # rewrite the header
     python3 scripts/gen_wgmma.py --check    # exit 1 if the header is stale
@@ -79,49 +81,75 @@ __device__ __forceinline__ u64 smem_desc_sw128(u32 addr, u32 lbo) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
            (1ull << 62);
 }
+
+// The accumulator operands of a tile of R = N/2 floats a thread: the asm
+// text "%0, %1, ..., %(R-1)" (WG_ACC_R) and the constraints "+f"(d[0]) ...
+// "+f"(d[R-1]) (WG_D<R>(0)).  The text is built from decades: WG_OPS<k>(t)
+// names the first k operands of decade t ("%t0", "%t1", ...; t empty for
+// 0 to 9).
+#define WG_PAIR(t, u, v) "%" #t #u ", %" #t #v
+#define WG_OPS2(t) WG_PAIR(t, 0, 1)
+#define WG_OPS4(t) WG_OPS2(t) ", " WG_PAIR(t, 2, 3)
+#define WG_OPS6(t) WG_OPS4(t) ", " WG_PAIR(t, 4, 5)
+#define WG_OPS8(t) WG_OPS6(t) ", " WG_PAIR(t, 6, 7)
+#define WG_OPS10(t) WG_OPS8(t) ", " WG_PAIR(t, 8, 9)
+#define WG_OPS_0_29 WG_OPS10() ", " WG_OPS10(1) ", " WG_OPS10(2)
+#define WG_OPS_0_59 WG_OPS_0_29 ", " WG_OPS10(3) ", " WG_OPS10(4) ", " WG_OPS10(5)
+#define WG_OPS_0_89 WG_OPS_0_59 ", " WG_OPS10(6) ", " WG_OPS10(7) ", " WG_OPS10(8)
+#define WG_OPS_0_119 WG_OPS_0_89 ", " WG_OPS10(9) ", " WG_OPS10(10) ", " WG_OPS10(11)
+#define WG_ACC_16 WG_OPS10() ", " WG_OPS6(1)
+#define WG_ACC_32 WG_OPS_0_29 ", " WG_OPS2(3)
+#define WG_ACC_48 WG_OPS_0_29 ", " WG_OPS10(3) ", " WG_OPS8(4)
+#define WG_ACC_64 WG_OPS_0_59 ", " WG_OPS4(6)
+#define WG_ACC_96 WG_OPS_0_89 ", " WG_OPS6(9)
+#define WG_ACC_128 WG_OPS_0_119 ", " WG_OPS8(12)
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \\
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_D16(i) WG_D8(i), WG_D8(i + 8)
+#define WG_D32(i) WG_D16(i), WG_D16(i + 16)
+#define WG_D48(i) WG_D32(i), WG_D16(i + 32)
+#define WG_D64(i) WG_D32(i), WG_D32(i + 32)
+#define WG_D96(i) WG_D64(i), WG_D32(i + 64)
+#define WG_D128(i) WG_D64(i), WG_D64(i + 64)
+
+// The A operand: ss, a shared-memory descriptor; rs, four registers of the
+// mma.sync A layout.
+#define WG_A_PARAM_ss u64 desc_a
+#define WG_A_CONS_ss "l"(desc_a)
+#define WG_A_PARAM_rs const u32 (&a)[4]
+#define WG_A_CONS_rs "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])
+
+// Defines the wrapper `name` of wgmma m64nNk16 with R = N/2 accumulators a
+// thread and the A operand of kind `src` (ss or rs): a_ops is its asm text,
+// b and p are the numbers of the operands desc_b and accumulate, imms the
+// instruction's scale (and transpose) immediates.
+#define WGMMA_WRAPPER(name, src, N, R, a_ops, b, p, imms)                                                 \\
+    __device__ __forceinline__ void name(float (&d)[R], WG_A_PARAM_##src, u64 desc_b, int accumulate) { \\
+        asm volatile("{\\n.reg .pred p;\\n"                                                              \\
+                     "setp.ne.b32 p, %" #p ", 0;\\n"                                                     \\
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." MMA_ELEM "." MMA_ELEM " "        \\
+                     "{" WG_ACC_##R "}, " a_ops ", %" #b ", p, " imms ";\\n}\\n"                          \\
+                     : WG_D##R(0)                                                                       \\
+                     : WG_A_CONS_##src, "l"(desc_b), "r"(accumulate));                                 \\
+    }
+
+// name, A, N, R, A operand(s), desc_b, accumulate, immediates
 """
 
 
 def wrapper(src: str, ta: int, tb: int, n: int) -> str:
     regs = n // 2
     name = f"wgmma_{src}{'_ta' if ta else ''}{'_tb' if tb else ''}"
-    outs = ", ".join(f"%{i}" for i in range(regs))
     if src == "ss":
-        a_ops = f"%{regs}"
-        b_op = f"%{regs + 1}"
-        flag = regs + 2
-        imms = f"1, 1, {ta}, {tb}"
-        a_sig = "u64 desc_a"
-        a_cons = '"l"(desc_a)'
+        a_ops, after, imms = f'"%{regs}"', regs + 1, f"1, 1, {ta}, {tb}"
     else:
-        a_ops = "{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}"
-        b_op = f"%{regs + 4}"
-        flag = regs + 5
-        imms = f"1, 1, {tb}"
-        a_sig = "const u32 (&a)[4]"
-        a_cons = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
-    out_cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    lines = [
-        f"// m64n{n}k16",
-        f"__device__ __forceinline__ void {name}(float (&d)[{regs}], {a_sig}, u64 desc_b, int accumulate) {{",
-        "    asm volatile(",
-        '        "{\\n.reg .pred p;\\n"',
-        f'        "setp.ne.b32 p, %{flag}, 0;\\n"',
-        f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32." MMA_ELEM "." MMA_ELEM " "',
-        f'        "{{{outs}}}, "',
-        f'        "{a_ops}, {b_op}, p, {imms};\\n}}\\n"',
-        f"        : {out_cons}",
-        f'        : {a_cons}, "l"(desc_b), "r"(accumulate));',
-        "}",
-    ]
-    return "\n".join(lines)
+        a_ops = '"{' + ", ".join(f"%{regs + i}" for i in range(4)) + '}"'
+        after, imms = regs + 4, f"1, 1, {tb}"
+    return f'WGMMA_WRAPPER({name}, {src}, {n}, {regs}, {a_ops}, {after}, {after + 1}, "{imms}")'
 
 
 def render() -> str:
-    parts = [PREAMBLE]
-    for src, ta, tb, n in SHAPES:
-        parts.append(wrapper(src, ta, tb, n))
-    return "\n\n".join(parts) + "\n"
+    return PREAMBLE + "".join(wrapper(*shape) + "\n" for shape in SHAPES)
 
 
 def main(argv=None) -> int:
