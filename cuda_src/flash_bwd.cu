@@ -136,15 +136,15 @@ flash_bwd_dkdv_kernel(const float *__restrict__ Q, const float *__restrict__ K, 
 
     if (tr_begin < tr_end) {
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_async<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_async<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
     }
 
     for (int tr = tr_begin; tr < tr_end; ++tr) {
         const int i0 = tr * BWD_BR;
         // Load Qi, dOi (async) and the row statistics Li, Di.
-        load_tile_async<BWD_BR, BWD_THREADS>(Qi, Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile_async<BWD_BR, BWD_THREADS>(dOi, dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(Qi, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(dOi, dOg, do_sn, i0, Nq, D, vec, tid);
         cp_async_commit();
         if (tid < BWD_BR) {
             const int i = i0 + tid;
@@ -296,14 +296,14 @@ flash_bwd_dq_kernel(const float *__restrict__ Q, const float *__restrict__ K, co
     const int ksteps_d = (D + 7) / 8;
 
     if (tc_begin < tc_end) {
-        load_tile_async<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
-        load_tile_async<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+        load_tile<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
+        load_tile<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
     }
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_async<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_async<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.

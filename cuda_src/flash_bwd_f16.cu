@@ -160,10 +160,10 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     if (tr_begin < tr_end) {
         // Kj, Vj and the first Qi, dOi.
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_h<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_h<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
-        load_tile_h<BWD_BR, BWD_THREADS>(Qbuf, Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
-        load_tile_h<BWD_BR, BWD_THREADS>(dObuf, dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(Qbuf, Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(dObuf, dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
         cp_async_commit();
     }
 
@@ -183,8 +183,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         // thread; every warp is done with the previous tile's buffers, Pij, dSij.
         __syncthreads();
         if (tr + 1 < tr_end) {  // prefetch the next query tile into the other buffer
-            load_tile_h<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
-            load_tile_h<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
+            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
+            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
                                              tid);
             cp_async_commit();
         }

@@ -94,14 +94,14 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     for (int n = 0; n < HEAD_DIM / 8; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
 
     if (tc_begin < tc_end) {
-        load_tile_h<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
-        load_tile_h<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+        load_tile<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
+        load_tile<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
     }
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_h<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_h<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.

@@ -93,14 +93,6 @@ __device__ __forceinline__ void issue_rows(float (&d)[KV_REGS], const u32 (&a)[B
         wgmma_rs_tb(d, a[kk], smem_desc_sw128(b_addr + kk * 16 * SWZ_ROW_BYTES, B90_BR * SWZ_ROW_BYTES), 1);
 }
 
-template <int R>
-__device__ __forceinline__ void hold_frag(u32 (&a)[R][4]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
-}
-
 // dQi[:, c0:c0+N] += scale * dSij Kj[:, c0:c0+N] for this warpgroup's
 // columns, into the float32 accumulator: A = dSij^T (MN-major, 64 query rows
 // per swizzle block), B = Kj (MN-major), Bc/16 k steps over the keys.
@@ -190,8 +182,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
     auto load_q_tile = [&](int it, int st) {
         const int i0 = (tr_begin + it) * B90_BR;
-        load_tile_swz<B90_BR, B90_THREADS>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile_swz<B90_BR, B90_THREADS>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
         if (tid < B90_BR) {
             const bool ok = i0 + tid < Nq;
             cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
@@ -221,8 +213,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     if (n_q > 0) {
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }
@@ -514,8 +506,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
     auto load_q_tile = [&](int it, int st) {
         const int i0 = (tr_begin + it) * B90_BR;
-        load_tile_swz<B90_BR, B90_THREADS>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile_swz<B90_BR, B90_THREADS>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
         if (tid < B90_BR) {
             const bool ok = i0 + tid < Nq;
             cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
@@ -525,8 +517,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     if (n_q > 0) {
         const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile_swz<B90_BC, B90_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile_swz<B90_BC, B90_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }

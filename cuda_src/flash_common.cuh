@@ -182,8 +182,8 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // columns) into smem[ROWS][LD_HEAD]; everything outside is zero-filled.
 // vec: 16-byte copies (D % 4 == 0, 16-byte aligned base and stride).
 template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_tile_async(float *smem, const float *gmem, i64 stride, int row0,
-                                                int nrows, int ncols, bool vec, int tid) {
+__device__ __forceinline__ void load_tile(float *smem, const float *gmem, i64 stride, int row0, int nrows, int ncols,
+                                          bool vec, int tid) {
     if (vec) {
         constexpr int CHUNKS = HEAD_DIM / 4;
 #pragma unroll 4
@@ -290,6 +290,44 @@ __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int 
 #else
     return nullptr;
 #endif
+}
+
+// ---------------------------------------------------------------- epilogue
+
+// Store columns d and d+1 of a float row, those below D (vec: unused, for
+// the 16-bit overloads' 4-byte pair stores); the _scaled form stores x * s.
+__device__ __forceinline__ void store_pair(float *row, int d, int D, float x0, float x1, bool vec) {
+    (void)vec;
+    if (d < D) row[d] = x0;
+    if (d + 1 < D) row[d + 1] = x1;
+}
+__device__ __forceinline__ void store_pair_scaled(float *row, int d, int D, float x0, float x1, float s, bool vec) {
+    (void)vec;
+    if (d < D) row[d] = x0 * s;
+    if (d + 1 < D) row[d + 1] = x1 * s;
+}
+
+// The end of the forward for output row i = i0 + 8r of this thread (row r of
+// its C fragments): li, summed over the 4 lanes of the quad, divides Oi
+// (acc(n, e): column 8n + 2t + e, NT 8-column tiles; columns >= D are not
+// stored) and Li = mi*ln2 + log(li) goes to LSE (unless LSE = nullptr: the
+// caller needs no lse).  A row that saw no key (li = 0) gets Oi = 0,
+// Li = -inf.
+template <int NT, typename T, typename Acc>
+__device__ __forceinline__ void store_out_row(T *Og, i64 o_sn, float *LSE, int b, int h, i64 l_sb, i64 l_sh, i64 l_sn,
+                                              int i0, int r, int Nq, int D, int t, float m, float l, bool vec,
+                                              Acc acc) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
+    const int i = i0 + 8 * r;
+    if (i < Nq) {
+        T *orow = Og + (i64)i * o_sn;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) store_pair_scaled(orow, 8 * n + 2 * t, D, acc(n, 0), acc(n, 1), inv_l, vec);
+        if (t == 0 && LSE)
+            LSE[(i64)b * l_sb + (i64)h * l_sh + (i64)i * l_sn] = (l > 0.f) ? m * LN2 + logf(l) : NEG_INF;
+    }
 }
 
 // ------------------------------------------------- backward row kernels

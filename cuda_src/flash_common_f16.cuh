@@ -30,13 +30,25 @@
 #endif
 static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM is a whole number of 16-wide k steps");
 
+#define ELEM_F32 0  // (see flash_common_f32.cuh)
+
+// elem_t, its name in the mma instructions, and its conversions from and to
+// float (ELEM_FN picks the intrinsic of the type; from_floats: two floats,
+// rounded, as one packed pair).
 #if ELEM_BF16
 typedef __nv_bfloat16 elem_t;
 #define MMA_ELEM "bf16"
+#define ELEM_FN(half_fn, bf16_fn) bf16_fn
 #else
 typedef __half elem_t;
 #define MMA_ELEM "f16"
+#define ELEM_FN(half_fn, bf16_fn) half_fn
 #endif
+__device__ __forceinline__ float to_float(elem_t x) { return ELEM_FN(__half2float, __bfloat162float)(x); }
+__device__ __forceinline__ elem_t from_float(float x) { return ELEM_FN(__float2half_rn, __float2bfloat16_rn)(x); }
+__device__ __forceinline__ auto from_floats(float lo, float hi) {
+    return ELEM_FN(__floats2half2_rn, __floats2bfloat162_rn)(lo, hi);
+}
 
 // LEAN_REGISTERS (set by pycudaflash.compiler per architecture: 1 before
 // sm_90): sm_8x allocates registers differently, so there the loops over the
@@ -53,30 +65,11 @@ typedef __half elem_t;
 #endif
 #define LDH (HEAD_DIM + SMEM_PAD_H)         // row stride of [rows][HEAD_DIM] tiles
 #define ELEMS_PER_16B 8
-
-__device__ __forceinline__ float to_float(elem_t x) {
-#if ELEM_BF16
-    return __bfloat162float(x);
-#else
-    return __half2float(x);
-#endif
-}
-
-__device__ __forceinline__ elem_t from_float(float x) {
-#if ELEM_BF16
-    return __float2bfloat16_rn(x);
-#else
-    return __float2half_rn(x);
-#endif
-}
+typedef unsigned char smem_t;  // the type the kernels declare their dynamic shared memory with
 
 // Two floats rounded to elem_t and packed (lo in the low half).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
-#if ELEM_BF16
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-#else
-    __half2 v = __floats2half2_rn(lo, hi);
-#endif
+    auto v = from_floats(lo, hi);
     return *reinterpret_cast<u32 *>(&v);
 }
 
@@ -86,6 +79,22 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of a 16-wide k step from the C fragments of its two 8-column
+// tiles (c0: columns 0-7, c1: 8-15), rounded to elem_t.
+__device__ __forceinline__ void pack_a(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack2(c0[0], c0[1]);
+    a[1] = pack2(c0[2], c0[3]);
+    a[2] = pack2(c1[0], c1[1]);
+    a[3] = pack2(c1[2], c1[3]);
+}
+
+// c0 += a * b[0..1] and c1 += a * b[2..3]: the two adjacent 8-column tiles of
+// a load_b_nk / load_b_kn fragment.
+__device__ __forceinline__ void mma16816_x2(float (&c0)[4], float (&c1)[4], const u32 (&a)[4], const u32 (&b)[4]) {
+    mma16816(c0, a, b[0], b[1]);
+    mma16816(c1, a, b[2], b[3]);
 }
 
 __device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
@@ -132,14 +141,26 @@ __device__ __forceinline__ void load_b_kn(u32 (&b)[4], const elem_t *tile, int l
     ldsm_x4_t(b, tile + k * ld + n);
 }
 
+// Offset (elements) of element (r, c) in a 128-byte-swizzled [HD_ATOMS][ROWS][64]
+// tile, the layout of the Hopper passes (described in flash_common_sm90.cuh).
+#ifndef SWZ_COLS
+#error "SWZ_COLS must be defined (pycudaflash.compiler.LAYOUT)"
+#endif
+template <int ROWS>
+__device__ __forceinline__ int swz(int r, int c) {
+    return (c / SWZ_COLS) * ROWS * SWZ_COLS + r * SWZ_COLS + ((((c % SWZ_COLS) >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+constexpr bool SWIZZLED = true;  // (load_tile's layout argument)
+
 // Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
 // global matrix (row stride `stride` elements, `nrows` rows, `ncols` = D
-// valid columns) into smem[ROWS][LDH]; everything outside is zero-filled.
-// vec: 16-byte cp.async (D % 8 == 0, 16-byte aligned base and row stride);
-// otherwise element-wise loads and stores (visible after the next barrier).
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_tile_h(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
-                                            int ncols, bool vec, int tid) {
+// valid columns) into a shared tile, row-major [ROWS][LDH] or (SWZ)
+// swizzled; everything outside is zero-filled.  vec: 16-byte cp.async
+// (D % 8 == 0, 16-byte aligned base and row stride); otherwise element-wise
+// loads and stores (visible after the next barrier).
+template <int ROWS, int NTHREADS, bool SWZ = false>
+__device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows, int ncols,
+                                          bool vec, int tid) {
     if (vec) {
         constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
         constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
@@ -150,7 +171,7 @@ __device__ __forceinline__ void load_tile_h(elem_t *smem, const elem_t *gmem, i6
                 const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
                 const bool ok = (row0 + r < nrows) && (col < ncols);
                 const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
-                cp_async16((float *)(smem + r * LDH + col), (const float *)src, ok);
+                cp_async16((float *)(smem + (SWZ ? swz<ROWS>(r, col) : r * LDH + col)), (const float *)src, ok);
             }
         }
     } else {
@@ -158,7 +179,7 @@ __device__ __forceinline__ void load_tile_h(elem_t *smem, const elem_t *gmem, i6
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
             const int r = c / HEAD_DIM, col = c % HEAD_DIM;
             const bool ok = (row0 + r < nrows) && (col < ncols);
-            smem[r * LDH + col] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
+            smem[SWZ ? swz<ROWS>(r, col) : r * LDH + col] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
         }
     }
 }
@@ -171,8 +192,11 @@ __device__ __forceinline__ float exp2_fast(float x) {
     return y;
 }
 
+// The softmax's 2^x in the kernels that float32 shares (flash_common_f32.cuh).
+__device__ __forceinline__ float softmax_exp2(float x) { return exp2_fast(x); }
+
 // Store two adjacent output columns (d, d+1) of one row; pairs are 4-byte
-// aligned when vec holds (D even, aligned rows).
+// aligned when vec holds (D even, aligned rows).  The _scaled form stores x * s.
 __device__ __forceinline__ void store_pair(elem_t *row, int d, int D, float x0, float x1, bool vec) {
     if (vec && d + 1 < D) {
         *reinterpret_cast<u32 *>(row + d) = pack2(x0, x1);
@@ -180,6 +204,9 @@ __device__ __forceinline__ void store_pair(elem_t *row, int d, int D, float x0, 
         if (d < D) row[d] = from_float(x0);
         if (d + 1 < D) row[d + 1] = from_float(x1);
     }
+}
+__device__ __forceinline__ void store_pair_scaled(elem_t *row, int d, int D, float x0, float x1, float s, bool vec) {
+    store_pair(row, d, D, x0 * s, x1 * s, vec);
 }
 
 // A dense float mask stored in elem_t, converted to the float32 the kernels

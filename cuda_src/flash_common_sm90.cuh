@@ -19,10 +19,7 @@
 #include "flash_common_f16.cuh"
 #include "flash_wgmma.cuh"
 
-// SWZ_COLS: columns of one swizzle block (128 bytes).
-#ifndef SWZ_COLS
-#error "SWZ_COLS must be defined (pycudaflash.compiler.LAYOUT)"
-#endif
+// SWZ_COLS (flash_common_f16.cuh): columns of one swizzle block (128 bytes).
 #define SWZ_ROW_BYTES 128
 // SMEM_ALIGN: swizzle pattern period (8 rows of 128 bytes).
 #ifndef SMEM_ALIGN
@@ -41,39 +38,50 @@ __device__ __forceinline__ unsigned char *swizzle_base(unsigned char *raw) {
     return raw + ((SMEM_ALIGN - (smem_addr(raw) & (SMEM_ALIGN - 1))) & (SMEM_ALIGN - 1));
 }
 
-// Offset (elements) of element (r, c) in a swizzled [HD_ATOMS][ROWS][64] tile.
-template <int ROWS>
-__device__ __forceinline__ int swz(int r, int c) {
-    return (c / SWZ_COLS) * ROWS * SWZ_COLS + r * SWZ_COLS + ((((c % SWZ_COLS) >> 3) ^ (r & 7)) << 3) + (c & 7);
+// D[64 x N] = A B^T over the head dim (HEAD_DIM/16 k steps of 16; zero-filled
+// columns past D add nothing), A and B K-major swizzled tiles: a_addr is this
+// warpgroup's first row of A (a tile of A_ROWS rows), b_addr the first row of
+// B (B_ROWS rows, N of them used).  JIT: the addresses pass through an empty
+// asm each step, so that the compiler forms each step's descriptors just in
+// time instead of holding all of them in registers.
+template <int A_ROWS, int B_ROWS, bool JIT = false, int R>
+__device__ __forceinline__ void wgmma_over_head_dim(float (&d)[R], u32 a_addr, u32 b_addr) {
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        if (JIT) asm volatile("" : "+r"(a_addr), "+r"(b_addr));
+        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
+        wgmma_ss(d, smem_desc_sw128(a_addr + blk * A_ROWS * SWZ_ROW_BYTES + in_blk, 16),
+                 smem_desc_sw128(b_addr + blk * B_ROWS * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
+    }
 }
 
-// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix into a swizzled tile; rows past nrows and columns past ncols
-// are zero-filled.  vec: 16-byte cp.async (as load_tile_h).
-template <int ROWS, int NTHREADS>
-__device__ __forceinline__ void load_tile_swz(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
-                                              int ncols, bool vec, int tid) {
-    if (vec) {
-        constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;
-        constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
+// D += A B for A in registers (KK k steps: the packed C fragments of a previous
+// product, pack_frags) and B the swizzled tile of 16*KK rows at b_addr, read as
+// the MN-major operand (its 64-column blocks 16*KK rows apart).
+template <int KK, int R>
+__device__ __forceinline__ void wgmma_regs_a(float (&d)[R], const u32 (&a)[KK][4], u32 b_addr) {
 #pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-            const int c = tid + it * NTHREADS;
-            if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
-                const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
-                const bool ok = (row0 + r < nrows) && (col < ncols);
-                const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
-                cp_async16((float *)(smem + swz<ROWS>(r, col)), (const float *)src, ok);
-            }
-        }
-    } else {
-        const elem_t zero = from_float(0.f);
-        for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
-            const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r < nrows) && (col < ncols);
-            smem[swz<ROWS>(r, col)] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
-        }
-    }
+    for (int kk = 0; kk < KK; ++kk)
+        wgmma_rs_tb(d, a[kk], smem_desc_sw128(b_addr + kk * 16 * SWZ_ROW_BYTES, KK * 16 * SWZ_ROW_BYTES), 1);
+}
+
+// C fragments (8 floats a 16-wide k step) rounded to elem_t and packed into
+// the A fragments of the KK k steps of the next product.
+template <int KK>
+__device__ __forceinline__ void pack_frags(u32 (&a)[KK][4], const float (&c)[8 * KK]) {
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[kk][e] = pack2(c[8 * kk + 2 * e], c[8 * kk + 2 * e + 1]);
+}
+
+// Keep A fragments' registers untouched until the product reading them has finished.
+template <int KK>
+__device__ __forceinline__ void hold_frag(u32 (&a)[KK][4]) {
+#pragma unroll
+    for (int i = 0; i < KK; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
 // Make this thread's shared-memory writes (cp.async, st.shared) visible to

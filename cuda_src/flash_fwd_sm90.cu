@@ -75,7 +75,6 @@
 #endif
 #define FWD_THREADS (FWD_WGS * WG_THREADS)
 #define BR (64 * FWD_WGS)
-#define K_STEPS (HEAD_DIM / 16)                 // k steps of Sij = Qi Kj^T
 #define S_REGS (BC / 2)                         // Sij floats per thread
 #define O_REGS (HEAD_DIM / 2)                   // Oi floats per thread
 
@@ -83,26 +82,6 @@ static_assert(BC % 16 == 0 && BC >= 32 && BC <= 192, "key tile: whole k steps of
 static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
 static_assert(FWD_WGS >= 1 && FWD_WGS <= 3, "warpgroups of a block (up to 384 threads)");
 static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
-
-// Sij = Qi Kj^T for one warpgroup: K_STEPS k steps of 16 over the head dim
-// (zero-filled columns past D add nothing).  q_addr/k_addr: shared addresses
-// of this warpgroup's Qi rows and of the Kj stage; both K-major.
-__device__ __forceinline__ void issue_s(float (&s)[S_REGS], u32 q_addr, u32 k_addr) {
-#pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) {
-        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
-        wgmma_ss(s, smem_desc_sw128(q_addr + blk * BR * SWZ_ROW_BYTES + in_blk, 16),
-                smem_desc_sw128(k_addr + blk * BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
-    }
-}
-
-// Oi += Pij Vj: Pij from registers, Vj the MN-major B operand (16 keys x
-// HEAD_DIM per k step; 64-column blocks BC rows apart).
-__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&p)[BC / 16][4], u32 v_addr) {
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-        wgmma_rs_tb(o, p[kk], smem_desc_sw128(v_addr + kk * 16 * SWZ_ROW_BYTES, BC * SWZ_ROW_BYTES), 1);
-}
 
 // Scores to log2 units (masked on boundary tiles), then the online softmax
 // of one tile: new row max mi, alpha = exp2(m_old - mi) for Oi, Pij =
@@ -157,26 +136,6 @@ __device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)
         o[4 * n + 2] *= alpha[1];
         o[4 * n + 3] *= alpha[1];
     }
-}
-
-// Pij rounded to elem_t, straight from the C fragments into the A fragments
-// of the BC/16 k steps of Pij Vj.
-__device__ __forceinline__ void pack_p(u32 (&p)[BC / 16][4], const float (&s)[S_REGS]) {
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-        p[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);
-        p[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);
-        p[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);
-        p[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
-// Keep P's registers untouched until the product reading them has finished.
-__device__ __forceinline__ void hold_p(u32 (&p)[BC / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
 }
 
 // One job: query tile q0..q0+Br-1 of (batch b, head h) and the key tiles
@@ -256,12 +215,12 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // A job's first loads, as two groups: Qi and K0; V0 and K1.  K and V
     // tile j of the job go to stage (sb + j) % 2.
     auto load_first = [&](const elem_t *Qg, const elem_t *Kg, const elem_t *Vg, const FwdJob &jb, int sb) {
-        load_tile_swz<BR, FWD_THREADS>(Qi, Qg, q_sn, jb.q0, Nq, D, vec, tid);
-        load_tile_swz<BC, FWD_THREADS>(Ks + sb * BC * HDP, Kg, k_sn, jb.tc_begin * BC, Nk, D, vec, tid);
+        load_tile<BR, FWD_THREADS, SWIZZLED>(Qi, Qg, q_sn, jb.q0, Nq, D, vec, tid);
+        load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + sb * BC * HDP, Kg, k_sn, jb.tc_begin * BC, Nk, D, vec, tid);
         cp_async_commit();
-        load_tile_swz<BC, FWD_THREADS>(Vs + sb * BC * HDP, Vg, v_sn, jb.tc_begin * BC, Nk, D, vec, tid);
+        load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + sb * BC * HDP, Vg, v_sn, jb.tc_begin * BC, Nk, D, vec, tid);
         if (jb.n_tiles > 1)
-            load_tile_swz<BC, FWD_THREADS>(Ks + (sb ^ 1) * BC * HDP, Kg, k_sn, (jb.tc_begin + 1) * BC, Nk, D, vec,
+            load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (sb ^ 1) * BC * HDP, Kg, k_sn, (jb.tc_begin + 1) * BC, Nk, D, vec,
                                            tid);
         cp_async_commit();
     };
@@ -308,14 +267,14 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             // Every thread's Qi and K0 are visible to the tensor cores.
             __syncthreads();
             wgmma_fence();
-            issue_s(s, q_addr, k_addr0 + sb * KV_STAGE_BYTES);
+            wgmma_over_head_dim<BR, BC>(s, q_addr, k_addr0 + sb * KV_STAGE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_hold(s);
             float alpha[2];  // (Oi is still 0: nothing to rescale)
             softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), scale_log2, mp,
                          mask_bh, q0 + row_w + g, tc_begin * BC + 2 * t);
-            pack_p(p, s);
+            pack_frags(p, s);
         }
         for (int j = 1; j < n_tiles; ++j) {
             const int k0 = (tc_begin + j) * BC;
@@ -328,20 +287,20 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             __syncthreads();
             if (FWD_PERSIST && tid == 0 && j == n_tiles - 1) claim = atomicAdd(sched, 1);
             if (j + 1 < n_tiles)
-                load_tile_swz<BC, FWD_THREADS>(Ks + (st ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
-            load_tile_swz<BC, FWD_THREADS>(Vs + st * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
+                load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (st ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
+            load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + st * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
             cp_async_commit();
 
             wgmma_fence();
-            issue_s(s, q_addr, k_addr0 + st * KV_STAGE_BYTES);  // Sj = Qi Kj^T
+            wgmma_over_head_dim<BR, BC>(s, q_addr, k_addr0 + st * KV_STAGE_BYTES);  // Sj = Qi Kj^T
             wgmma_commit();
-            issue_pv(o_acc, p, v_addr0 + (st ^ 1) * KV_STAGE_BYTES);  // Oi += P(j-1) V(j-1)
+            wgmma_regs_a(o_acc, p, v_addr0 + (st ^ 1) * KV_STAGE_BYTES);  // Oi += P(j-1) V(j-1)
             wgmma_commit();
 #if FWD_OVERLAP
             wgmma_wait<1>();  // Sj is done; P(j-1) V(j-1) may still run
 #else
             wgmma_wait<0>();  // both are done (P(j-1)'s registers free for the softmax)
-            hold_p(p);
+            hold_frag(p);
 #endif
             wgmma_hold(s);
             float alpha[2];
@@ -349,9 +308,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                          q0 + row_w + g, k0 + 2 * t);
             wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
             wgmma_hold(o_acc);
-            hold_p(p);
+            hold_frag(p);
             rescale(o_acc, alpha);
-            pack_p(p, s);
+            pack_frags(p, s);
         }
         // The next job (none without FWD_PERSIST: one job per block).
         int next = n_jobs;
@@ -379,11 +338,11 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             }
 #endif
             wgmma_fence();
-            issue_pv(o_acc, p, v_addr0 + last * KV_STAGE_BYTES);
+            wgmma_regs_a(o_acc, p, v_addr0 + last * KV_STAGE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_hold(o_acc);
-            hold_p(p);
+            hold_frag(p);
         } else {
             loaded = false;
             if (FWD_PERSIST) {
@@ -396,23 +355,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
         elem_t *Og = O + (i64)jb.b * o_sb + (i64)jb.h * o_sh;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float l = l_i[r];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
-            const int i = q0 + row_w + g + 8 * r;
-            if (i < Nq) {
-                elem_t *orow = Og + (i64)i * o_sn;
-#pragma unroll
-                for (int n = 0; n < HEAD_DIM / 8; ++n)
-                    store_pair(orow, 8 * n + 2 * t, D, o_acc[4 * n + 2 * r] * inv_l,
-                               o_acc[4 * n + 2 * r + 1] * inv_l, vec);
-                if (t == 0 && LSE)  // (LSE = nullptr: the caller needs no lse)
-                    LSE[(i64)jb.b * l_sb + (i64)jb.h * l_sh + (i64)i * l_sn] =
-                        (l > 0.f) ? m_i[r] * LN2 + logf(l) : NEG_INF;
-            }
-        }
+        for (int r = 0; r < 2; ++r)
+            store_out_row<HEAD_DIM / 8>(Og, o_sn, LSE, jb.b, jb.h, l_sb, l_sh, l_sn, q0 + row_w + g, r, Nq, D, t, m_i[r],
+                                        l_i[r], vec, [&](int n, int e) { return o_acc[4 * n + 2 * r + e]; });
         job = next;
     }
 
