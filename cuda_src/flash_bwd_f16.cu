@@ -36,62 +36,20 @@
 // Pij and dSij pass through shared memory because dVj and dKj read them
 // transposed (ldmatrix.trans) and dQi with another warp grid.
 //
-// The preprocess, deterministic dQ and dQ conversion kernels live in
-// flash_bwd_rows_f16.cuh (the Hopper dK/dV kernel, flash_bwd_sm90.cu, uses
-// them too).
+// The preprocess, deterministic dQ, dQ conversion and group-sum kernels
+// come from flash_bwd_rows.cuh (through flash_bwd_rows_f16.cuh, which the
+// Hopper dK/dV kernel, flash_bwd_sm90.cu, includes too), the warp grids from
+// flash_bwd_warps.cuh.
 
 #include "flash_bwd_rows_f16.cuh"
+#include "flash_bwd_warps.cuh"
 
-#ifndef BWD_WARPS
-#error "BWD_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
-#endif
-#define BWD_THREADS (BWD_WARPS * WARP_SIZE)
-#ifndef BWD_BR
-#error "BWD_BR must be defined (pycudaflash.compiler.defines)"
-#endif
-#ifndef BWD_BC
-#error "BWD_BC must be defined (pycudaflash.compiler.defines)"
-#endif
 #define LDS (BWD_BC + SMEM_PAD_H)  // row stride of Pij, dSij
-
-// Warp grids of the three product shapes.
-#define SW_M (BWD_BR / 16)          // Sij, dPij: row groups
-#define SW_N (BWD_WARPS / SW_M)     //            column groups
-#define NT_S (BWD_BC / (8 * SW_N))  //            8-wide tiles per warp
-#ifndef S_CHUNK                    //            of which computed at once
+#ifndef S_CHUNK  // 8-wide Sij, dPij tiles per warp computed at once
 #define S_CHUNK (NT_S < 4 ? NT_S : 4)
 #endif
-// dKj, dVj and dQi warp tiles hold KV_MT / Q_MT 16-row blocks: each B
-// fragment then feeds that many products (less shared-memory traffic).
-// (2 where that leaves each warp a whole number of 16-column pairs).
-#ifndef KV_MT
-#if BWD_BC % 32 == 0 && BWD_WARPS % (BWD_BC / 32) == 0 && (HEAD_DIM / (8 * (BWD_WARPS / (BWD_BC / 32)))) % 2 == 0
-#define KV_MT 2
-#else
-#define KV_MT 1
-#endif
-#endif
-#ifndef Q_MT
-#if BWD_BR % 32 == 0 && BWD_WARPS % (BWD_BR / 32) == 0 && (HEAD_DIM / (8 * (BWD_WARPS / (BWD_BR / 32)))) % 2 == 0
-#define Q_MT 2
-#else
-#define Q_MT 1
-#endif
-#endif
-#define KW_M (BWD_BC / (16 * KV_MT))  // dKj, dVj
-#define KW_N (BWD_WARPS / KW_M)
-#define NT_KV (HEAD_DIM / (8 * KW_N))
-#define QW_M (BWD_BR / (16 * Q_MT))   // dQi
-#define QW_N (BWD_WARPS / QW_M)
-#define NT_Q (HEAD_DIM / (8 * QW_N))
-
-static_assert(SW_M * SW_N == BWD_WARPS && NT_S * 8 * SW_N == BWD_BC, "Sij warp grid covers the tile");
-static_assert(KW_M * KW_N == BWD_WARPS && KW_M * 16 * KV_MT == BWD_BC && NT_KV * 8 * KW_N == HEAD_DIM,
-              "dKj warp grid covers the tile");
-static_assert(QW_M * QW_N == BWD_WARPS && QW_M * 16 * Q_MT == BWD_BR && NT_Q * 8 * QW_N == HEAD_DIM,
-              "dQi warp grid covers the tile");
-static_assert(NT_S % S_CHUNK == 0 && S_CHUNK % 2 == 0 && NT_KV % 2 == 0 && NT_Q % 2 == 0, "warp tiles are whole 16-column pairs");
-static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0, "tiles are whole 16-wide k steps");
+static_assert(NT_S % S_CHUNK == 0 && S_CHUNK % 2 == 0 && NT_KV % 2 == 0 && NT_Q % 2 == 0,
+              "warp tiles are whole 16-column pairs");
 
 // Unrolling of the head-dim loop of Sij and dPij: in full where registers
 // allow; the element-wise mask code of MASK_MODE 1/2 needs registers of its
@@ -106,16 +64,9 @@ static_assert(BWD_BR % 16 == 0 && BWD_BC % 16 == 0, "tiles are whole 16-wide k s
 constexpr int kBwdKsUnroll = BWD_KS_UNROLL;  // (#pragma unroll takes no macros)
 
 // ------------------------------------------------------------------- dK, dV
-extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
-flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
-                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
-                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
-                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
-                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
-                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+// flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
+FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
+    extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(smem_raw);  // [BWD_BC][LDH]
     elem_t *Vj = Kj + BWD_BC * LDH;                     // [BWD_BC][LDH]
     elem_t *Qbuf = Vj + BWD_BC * LDH;                   // [2][BWD_BR][LDH]
@@ -127,22 +78,9 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    // Grid (H, B, key tiles): key tile slowest, so all heads' first (under a
-    // causal band, longest) key tiles are scheduled before any later one.
-    const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
-    const int k0 = blockIdx.z * BWD_BC;
-
-    const MaskParams mp =
-        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
-    const char *mask_bh = mask_head_base(mp, b, h);
-
-    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
-    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
-
-    // Query tiles with a row that sees any key of this tile.
-    const TileRange qt = query_tiles(k0, BWD_BC, Nq, mp.kl, band_lo, band_hi, BWD_BR);
-    const int tr_begin = qt.begin, tr_end = qt.end;
+    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, q_sb, q_sh, dO, do_sb, do_sh, mask, m_sb, m_sh, m_sq,
+                                                         m_sk, band_lo, band_hi, key_lengths, Nq, Nk);
+    const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
     const int s_row = 16 * (warp % SW_M), s_col = 8 * NT_S * (warp / SW_M);
@@ -159,11 +97,11 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 
     if (tr_begin < tr_end) {
         // Kj, Vj and the first Qi, dOi.
-        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
-        load_tile<BWD_BR, BWD_THREADS>(Qbuf, Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
-        load_tile<BWD_BR, BWD_THREADS>(dObuf, dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        const int hk = kv_head(blk.h, kv_group);  // the K/V head this query head reads
+        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)blk.b * k_sb + (i64)hk * k_sh, k_sn, blk.k0, Nk, D, vec, tid);
+        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)blk.b * v_sb + (i64)hk * v_sh, v_sn, blk.k0, Nk, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(Qbuf, blk.Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(dObuf, blk.dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
         cp_async_commit();
     }
 
@@ -173,25 +111,21 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         const elem_t *Qi = Qbuf + buf * BWD_BR * LDH;
         const elem_t *dOi = dObuf + buf * BWD_BR * LDH;
         // Row statistics of this query tile.
-        if (tid < BWD_BR) {
-            const int i = i0 + tid;
-            Li[tid] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
-            Di[tid] = (i < Nq) ? Dvec[row_base + i] : 0.f;
-        }
+        load_row_stats<BWD_BR>(Li, Di, L2vec, Dvec, blk.row_base, i0, Nq, tid);
         cp_async_wait<0>();
         // Qi, dOi (and Kj, Vj), Li and Di are in shared memory for every
         // thread; every warp is done with the previous tile's buffers, Pij, dSij.
         __syncthreads();
         if (tr + 1 < tr_end) {  // prefetch the next query tile into the other buffer
-            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
-            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
+            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
+            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, blk.dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
                                              tid);
             cp_async_commit();
         }
 
         // Sij = Qi Kj^T and dPij = dOi Vj^T on this warp's 16 x (8*NT_S) tile,
         // S_CHUNK 8-wide column tiles at a time (bounds the live registers).
-        const bool need_mask = tile_needs_mask(mp, i0, BWD_BR, k0, BWD_BC);
+        const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC);
 #pragma unroll
         for (int c0 = 0; c0 < NT_S; c0 += S_CHUNK) {
             float s[S_CHUNK][4], dp[S_CHUNK][4];
@@ -200,21 +134,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll kBwdKsUnroll
-            for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {  // (zero-filled columns past D add nothing)
-                u32 aq[4], ado[4];
-                load_a(aq, Qi, LDH, s_row, 16 * ks, lane);
-                load_a(ado, dOi, LDH, s_row, 16 * ks, lane);
-#pragma unroll
-                for (int np = 0; np < S_CHUNK / 2; ++np) {
-                    u32 bk[4], bv[4];
-                    load_b_nk(bk, Kj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
-                    load_b_nk(bv, Vj, LDH, s_col + 8 * c0 + 16 * np, 16 * ks, lane);
-                    mma16816(s[2 * np], aq, bk[0], bk[1]);
-                    mma16816(s[2 * np + 1], aq, bk[2], bk[3]);
-                    mma16816(dp[2 * np], ado, bv[0], bv[1]);
-                    mma16816(dp[2 * np + 1], ado, bv[2], bv[3]);
-                }
-            }
+            for (int ks = 0; ks < HEAD_DIM / 16; ++ks)  // (zero-filled columns past D add nothing)
+                mma_s_dp_kstep<S_CHUNK / 2>(s, dp, Qi, dOi, Kj, Vj, s_row, s_col + 8 * c0, ks, lane);
 
             // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di),
             // rounded to elem_t into shared memory.
@@ -228,8 +149,9 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float sv = s[n][2 * r + e];
-                        const float x = need_mask ? masked_score(sv, scale_log2, mp, mask_bh, i0 + row, k0 + c + e)
-                                                  : sv * scale_log2;
+                        const float x =
+                            need_mask ? masked_score(sv, scale_log2, blk.mp, blk.mask_bh, i0 + row, blk.k0 + c + e)
+                                      : sv * scale_log2;
                         p[e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
                         ds[e] = p[e] * (dp[n][2 * r + e] - di);
                     }
@@ -257,10 +179,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                 load_b_kn(bq, Qi, LDH, kv_col + 16 * np, 16 * kk, lane);
 #pragma unroll
                 for (int mt = 0; mt < KV_MT; ++mt) {
-                    mma16816(dv_acc[mt][2 * np], ap[mt], bdo[0], bdo[1]);
-                    mma16816(dv_acc[mt][2 * np + 1], ap[mt], bdo[2], bdo[3]);
-                    mma16816(dk_acc[mt][2 * np], ads[mt], bq[0], bq[1]);
-                    mma16816(dk_acc[mt][2 * np + 1], ads[mt], bq[2], bq[3]);
+                    mma16816_x2(dv_acc[mt][2 * np], dv_acc[mt][2 * np + 1], ap[mt], bdo);
+                    mma16816_x2(dk_acc[mt][2 * np], dk_acc[mt][2 * np + 1], ads[mt], bq);
                 }
             }
         }
@@ -268,12 +188,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         // dQi += scale * dSij Kj, added into the float32 accumulator.
         if (dQacc != nullptr) {
             float dq[Q_MT][NT_Q][4];
-#pragma unroll
-            for (int mt = 0; mt < Q_MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT_Q; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) dq[mt][n][e] = 0.f;
+            zero_frags(dq);
 #pragma unroll
             for (int kk = 0; kk < BWD_BC / 16; ++kk) {
                 u32 a[Q_MT][4];
@@ -284,10 +199,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                     u32 bk[4];
                     load_b_kn(bk, Kj, LDH, q_col + 16 * np, 16 * kk, lane);
 #pragma unroll
-                    for (int mt = 0; mt < Q_MT; ++mt) {
-                        mma16816(dq[mt][2 * np], a[mt], bk[0], bk[1]);
-                        mma16816(dq[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                    }
+                    for (int mt = 0; mt < Q_MT; ++mt) mma16816_x2(dq[mt][2 * np], dq[mt][2 * np + 1], a[mt], bk);
                 }
             }
 #pragma unroll
@@ -296,7 +208,7 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
                 for (int r = 0; r < 2; ++r) {
                     const int i = i0 + q_row + 16 * mt + g + 8 * r;
                     if (i < Nq) {
-                        float *row = dQacc + (row_base + i) * D;
+                        float *row = dQacc + (blk.row_base + i) * D;
 #pragma unroll
                         for (int n = 0; n < NT_Q; ++n)
                             dq_add_pair(row, q_col + 8 * n + 2 * t, D, scale * dq[mt][n][2 * r],
@@ -307,13 +219,13 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
-    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
+    elem_t *dKg = dK + (i64)blk.b * dk_sb + (i64)blk.h * dk_sh;
+    elem_t *dVg = dV + (i64)blk.b * dv_sb + (i64)blk.h * dv_sh;
 #pragma unroll
     for (int mt = 0; mt < KV_MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int j = k0 + kv_row + 16 * mt + g + 8 * r;
+            const int j = blk.k0 + kv_row + 16 * mt + g + 8 * r;
             if (j < Nk) {
 #pragma unroll
                 for (int n = 0; n < NT_KV; ++n) {

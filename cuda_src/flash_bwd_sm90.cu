@@ -17,8 +17,9 @@
 // the dQ product is skipped and flash_bwd_dq_kernel computes dQ.
 //
 // The module's other kernels (flash_bwd_preprocess, flash_bwd_dq_kernel,
-// flash_bwd_convert_dq) and dq_add_pair come from flash_bwd_rows_f16.cuh,
-// the swizzled shared-memory tiles from flash_common_sm90.cuh.
+// flash_bwd_convert_dq, flash_bwd_sum_groups) and dq_add_pair come from
+// flash_bwd_rows_f16.cuh, the swizzled shared-memory tiles and the wgmma
+// helpers from flash_common_sm90.cuh.
 //
 // Assumptions: as flash_bwd_f16.cu.
 //
@@ -35,7 +36,9 @@
 // * HEAD_DIM 192, 256: dKj, dVj of 64 keys would not fit one warpgroup's
 //   registers; Bc = 64 keys and the head dim is split between the
 //   warpgroups instead (layout further below).
-// The next query tile loads (cp.async) while this one is used.
+// One kernel serves both: its frame (loads, the query loop, the output) is
+// common, the products and the softmax step differ by layout (#if HEAD_DIM
+// <= 128).  The next query tile loads (cp.async) while this one is used.
 
 #include "flash_bwd_rows_f16.cuh"
 #include "flash_common_sm90.cuh"
@@ -44,14 +47,52 @@
 #error "B90_WGS must be defined (pycudaflash.compiler.defines)"
 #endif
 #define B90_THREADS (B90_WGS * WG_THREADS)
+#ifndef B90_BR
+#error "B90_BR must be defined (pycudaflash.compiler.defines)"
+#endif
+
+// scale * dQi into the float32 accumulator: rows i_w and i_w + 8 of this
+// thread (those below Nq) of a wgmma tile of NC columns from c0, whose
+// NC/2 accumulators a thread are dq.
+template <int NC>
+__device__ __forceinline__ void dq_add_rows(float *dQacc, i64 row_base, int i_w, int Nq, int D, float scale, int c0,
+                                            const float (&dq)[NC / 2], int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = i_w + 8 * r;
+        if (i < Nq) {
+            float *row = dQacc + (row_base + i) * D;
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n)
+                dq_add_pair(row, c0 + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
+        }
+    }
+}
+
+// Write dKj (scaled) and dVj: rows j_w and j_w + 8 of this thread (those
+// below Nk) of a wgmma tile of NC columns from c0, columns from c_from on.
+template <int NC>
+__device__ __forceinline__ void store_kv(elem_t *dKg, elem_t *dVg, i64 dk_sn, i64 dv_sn, const float (&dk)[NC / 2],
+                                         const float (&dv)[NC / 2], float scale, int j_w, int Nk, int D, int c0,
+                                         int c_from, int t, bool vec) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = j_w + 8 * r;
+        if (j < Nk) {
+#pragma unroll
+            for (int n = 0; n < NC / 8; ++n) {
+                const int d = c0 + 8 * n + 2 * t;
+                if (d < c_from) continue;
+                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk[4 * n + 2 * r], scale * dk[4 * n + 2 * r + 1], vec);
+                store_pair(dVg + (i64)j * dv_sn, d, D, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1], vec);
+            }
+        }
+    }
+}
 
 #if HEAD_DIM <= 128
 // ================================================ head dim <= 128: dKj, dVj in registers
 #define B90_BC (64 * B90_WGS)
-#ifndef B90_BR
-#error "B90_BR must be defined (pycudaflash.compiler.defines)"
-#endif
-#define SD_STEPS (HEAD_DIM / 16)   // k steps of Sij^T, dPij^T (over the head dim)
 #define ST_REGS (B90_BR / 2)       // Sij^T, dPij^T floats per thread
 #define KV_REGS (HEAD_DIM / 2)     // dKj, dVj floats per thread
 // dQi columns per warpgroup: whole 64-column blocks where possible, else a
@@ -65,277 +106,17 @@
 #define DQ_N0 (HEAD_DIM / 2)
 #endif
 #define DQ_N1 (HEAD_DIM - DQ_N0)
+// dQi's A operand, dSij^T: MN-major, k steps 16 keys (rows) apart, blocks of
+// 64 query rows Bc rows apart.
+#define DQ_A_STEP (16 * SWZ_ROW_BYTES)
+#define DQ_A_LBO (B90_BC * SWZ_ROW_BYTES)
+#define DQ_JIT false
 
 static_assert(HEAD_DIM <= 128 && HEAD_DIM % 32 == 0, "dK/dV of 64 keys in one warpgroup's registers");
 static_assert(B90_BR % 64 == 0 && B90_BR <= 128, "query tile: whole swizzle blocks of dS^T, a wgmma N");
 static_assert(B90_WGS == 2 || B90_WGS == 3, "warpgroups of a block: 2 or 3");
 static_assert(DQ_N0 % 32 == 0 && DQ_N1 % 32 == 0 && (DQ_N0 % SWZ_COLS == 0 || DQ_N0 + DQ_N1 <= SWZ_COLS),
               "dQ column split: wgmma N of 32 or 64 inside whole swizzle blocks");
-
-// D[64 x N] = A[64 x 16*STEPS] B^T, both K-major in swizzled tiles: a_addr
-// is this warpgroup's first row of A (a tile of A_ROWS rows), b_addr the
-// first row of B (B_ROWS rows = N).
-template <int A_ROWS, int B_ROWS, int R>
-__device__ __forceinline__ void issue_kmajor(float (&d)[R], u32 a_addr, u32 b_addr) {
-#pragma unroll
-    for (int ks = 0; ks < SD_STEPS; ++ks) {
-        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
-        wgmma_ss(d, smem_desc_sw128(a_addr + blk * A_ROWS * SWZ_ROW_BYTES + in_blk, 16),
-                 smem_desc_sw128(b_addr + blk * B_ROWS * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
-    }
-}
-
-// dX += A^T B for A^T in registers (B90_BR/16 k steps over the query rows)
-// and B a [Br][HEAD_DIM] swizzled tile read as the MN-major operand.
-__device__ __forceinline__ void issue_rows(float (&d)[KV_REGS], const u32 (&a)[B90_BR / 16][4], u32 b_addr) {
-#pragma unroll
-    for (int kk = 0; kk < B90_BR / 16; ++kk)
-        wgmma_rs_tb(d, a[kk], smem_desc_sw128(b_addr + kk * 16 * SWZ_ROW_BYTES, B90_BR * SWZ_ROW_BYTES), 1);
-}
-
-// dQi[:, c0:c0+N] += scale * dSij Kj[:, c0:c0+N] for this warpgroup's
-// columns, into the float32 accumulator: A = dSij^T (MN-major, 64 query rows
-// per swizzle block), B = Kj (MN-major), Bc/16 k steps over the keys.
-template <int N>
-__device__ __forceinline__ void dq_columns(float *dQacc, i64 row_base, int i0, int Nq, int D, float scale,
-                                           u32 ds_addr, u32 k_addr, int c0, int mblk, int warp_in_wg, int g,
-                                           int t) {
-    float dq[N / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < B90_BC / 16; ++kk)
-        wgmma_ss_ta_tb(dq, smem_desc_sw128(ds_addr + mblk * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES,
-                                           B90_BC * SWZ_ROW_BYTES),
-                       smem_desc_sw128(k_addr + (c0 / SWZ_COLS) * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES +
-                                           (c0 % SWZ_COLS) * 2,
-                                       B90_BC * SWZ_ROW_BYTES),
-                       kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_hold(dq);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = i0 + 64 * mblk + 16 * warp_in_wg + g + 8 * r;
-        if (i < Nq) {
-            float *row = dQacc + (row_base + i) * D;
-#pragma unroll
-            for (int n = 0; n < N / 8; ++n)
-                dq_add_pair(row, c0 + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(B90_THREADS, 1)
-flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
-                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
-                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
-                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
-                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
-                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
-    elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
-    elem_t *Qs = Vj + B90_BC * HDP;                                     // [2][HD_ATOMS][Br][64]
-    elem_t *dOs = Qs + 2 * B90_BR * HDP;                                // [2][HD_ATOMS][Br][64]
-    elem_t *dSt = dOs + 2 * B90_BR * HDP;                               // [Br/64][Bc][64]: dSij^T
-    float *Ls = reinterpret_cast<float *>(dSt + B90_BC * B90_BR);       // [2][Br], Li * log2(e)
-    float *Ds = Ls + 2 * B90_BR;                                        // [2][Br]
-
-    const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
-    const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
-    const int g = lane >> 2, t = lane & 3;
-    // Grid (H, B, key tiles): key tile slowest, so all heads' first (under a
-    // causal band, longest) key tiles are scheduled before any later one.
-    const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
-    const int k0 = blockIdx.z * B90_BC;
-
-    const MaskParams mp =
-        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
-    const char *mask_bh = mask_head_base(mp, b, h);
-
-    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
-    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
-
-    // Query tiles with a row that sees any key of this tile.
-    const TileRange qt = query_tiles(k0, B90_BC, Nq, mp.kl, band_lo, band_hi, B90_BR);
-    const int tr_begin = qt.begin, n_q = qt.end - qt.begin;
-    const int k_last = min(k0 + B90_BC, mp.kl) - 1;  // (last key of this tile)
-
-    // Shared addresses of the operands.
-    const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
-    const u32 ds_addr = smem_addr(dSt);
-    const u32 kw_addr = k_addr + 64 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 64 * wg * SWZ_ROW_BYTES;
-    constexpr u32 QD_STAGE_BYTES = B90_BR * HDP * 2;
-    const int key_w = 64 * wg + 16 * warp_in_wg + g;  // this thread's first key in the tile (and key_w + 8)
-    // Whether any of this warpgroup's 64 keys is below the key length (the
-    // last key tile of a sequence may be partly empty: its empty warpgroups
-    // skip their products and only take part in dQi and the barriers).
-    const bool wg_live = k0 + 64 * wg <= k_last;
-
-    float dv[KV_REGS], dk[KV_REGS];
-#pragma unroll
-    for (int i = 0; i < KV_REGS; ++i) dv[i] = dk[i] = 0.f;
-
-    // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
-    auto load_q_tile = [&](int it, int st) {
-        const int i0 = (tr_begin + it) * B90_BR;
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
-        if (tid < B90_BR) {
-            const bool ok = i0 + tid < Nq;
-            cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
-            cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + row_base + i0 + tid : Dvec, ok);
-        }
-    };
-
-    // dSij^T rows of this thread's keys in shared memory, for dQi.
-    auto store_dsT = [&](const u32 (&ds)[B90_BR / 16][4]) {
-#pragma unroll
-        for (int kk = 0; kk < B90_BR / 16; ++kk)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = 16 * kk + 8 * half + 2 * t;
-                    *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) = ds[kk][2 * half + r];
-                }
-    };
-    if (!wg_live && dQacc != nullptr) {
-        // A warpgroup without keys below the key length adds nothing to dQi:
-        // its rows of dSij^T are zero for the whole query loop (the loop's
-        // first barrier publishes them).
-        const u32 zero[B90_BR / 16][4] = {};
-        store_dsT(zero);
-    }
-
-    if (n_q > 0) {
-        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
-        load_q_tile(0, 0);
-        cp_async_commit();
-    }
-
-    for (int it = 0; it < n_q; ++it) {
-        const int i0 = (tr_begin + it) * B90_BR;
-        const int st = it & 1;
-        cp_async_wait<0>();  // this thread's part of Qi, dOi, Li, Di (and Kj, Vj) has landed
-        fence_proxy_async();
-        // Every thread's loads are visible to all threads and the tensor cores;
-        // every warpgroup is done with the other stage (tile it-1) and dSij^T.
-        __syncthreads();
-        if (it + 1 < n_q) load_q_tile(it + 1, st ^ 1);
-        cp_async_commit();
-
-        const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
-        const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
-
-        u32 pT[B90_BR / 16][4], dsT[B90_BR / 16][4];
-        if (wg_live) {
-            // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
-            float sT[ST_REGS], dpT[ST_REGS];
-            wgmma_fence();
-            issue_kmajor<B90_BC, B90_BR>(sT, kw_addr, q_addr);
-            wgmma_commit();
-            issue_kmajor<B90_BC, B90_BR>(dpT, vw_addr, do_addr);
-            wgmma_commit();
-            wgmma_wait<1>();  // Sij^T is done (dPij^T may still run)
-            wgmma_hold(sT);
-
-            // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
-            // A row that sees no key (Li = -inf) subtracts +inf instead, so that
-            // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
-            // that an unmasked tile pays one FFMA per score and no mask tests.
-            if (tile_needs_mask(mp, i0, B90_BR, k0 + 64 * wg, 64)) {
-#pragma unroll
-                for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = 8 * n + 2 * t + (e & 1);
-                        const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, mp, mask_bh, i0 + row,
-                                                               k0 + key_w + 8 * (e >> 1)) - base);
-                    }
-            } else {
-#pragma unroll
-                for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                        sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
-                    }
-            }
-            wgmma_wait<0>();  // dPij^T is done
-            wgmma_hold(dpT);
-
-            // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
-            // (k step kk = query rows 16kk..16kk+15).
-#pragma unroll
-            for (int n = 0; n < B90_BR / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
-#pragma unroll
-            for (int kk = 0; kk < B90_BR / 16; ++kk) {
-                pT[kk][0] = pack2(sT[8 * kk + 0], sT[8 * kk + 1]);
-                pT[kk][1] = pack2(sT[8 * kk + 2], sT[8 * kk + 3]);
-                pT[kk][2] = pack2(sT[8 * kk + 4], sT[8 * kk + 5]);
-                pT[kk][3] = pack2(sT[8 * kk + 6], sT[8 * kk + 7]);
-                dsT[kk][0] = pack2(dpT[8 * kk + 0], dpT[8 * kk + 1]);
-                dsT[kk][1] = pack2(dpT[8 * kk + 2], dpT[8 * kk + 3]);
-                dsT[kk][2] = pack2(dpT[8 * kk + 4], dpT[8 * kk + 5]);
-                dsT[kk][3] = pack2(dpT[8 * kk + 6], dpT[8 * kk + 7]);
-            }
-
-            // dVj += Pij^T dOi, dKj += dSij^T Qi (dOi, Qi as MN-major B operands).
-            wgmma_fence();
-            issue_rows(dv, pT, do_addr);
-            issue_rows(dk, dsT, q_addr);
-            wgmma_commit();
-        }
-
-        if (dQacc != nullptr) {
-            // dSij^T into shared memory (row pairs of one key as 32-bit
-            // stores); an empty warpgroup's rows are zero from the start.
-            if (wg_live) store_dsT(dsT);
-            fence_proxy_async();
-            // dSij^T of both warpgroups is visible to the tensor cores.
-            __syncthreads();
-#pragma unroll
-            for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
-                if (wg == 0)
-                    dq_columns<DQ_N0>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, 0, mblk, warp_in_wg, g, t);
-                else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
-                    dq_columns<DQ_N1>(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, DQ_N0, mblk, warp_in_wg,
-                                      g, t);
-            }
-        }
-        wgmma_wait<0>();  // dVj, dKj products are done: pT, dsT free
-        wgmma_hold(dv);
-        wgmma_hold(dk);
-        hold_frag(pT);
-        hold_frag(dsT);
-    }
-
-    // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
-    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = k0 + key_w + 8 * r;
-        if (j < Nk) {
-#pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                const int d = 8 * n + 2 * t;
-                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk[4 * n + 2 * r], scale * dk[4 * n + 2 * r + 1], vec);
-                store_pair(dVg + (i64)j * dv_sn, d, D, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1], vec);
-            }
-        }
-    }
-}
 
 #else  // HEAD_DIM > 128
 // ============================================ head dim 192, 256: Pij, dSij through shared memory
@@ -359,37 +140,23 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
 // [HD_ATOMS][Br][64]; Pij, dSij [Br][64]; Li, Di [2 stages][Br].
 
 #define B90_BC 64
-#ifndef B90_BR
-#error "B90_BR must be defined (pycudaflash.compiler.defines)"
-#endif
-#define SD_STEPS (HEAD_DIM / 16)      // k steps of Sij, dPij (over the head dim)
 #define KV_N 128                      // dKj, dVj columns computed per warpgroup
 #define KV_C0 (HEAD_DIM - KV_N)       // first of them in warpgroup 1
+#define KV_REGS (KV_N / 2)            // dKj, dVj floats per thread
 #if HEAD_DIM % 128 == 0
 #define DQ_CHUNK 64                   // dQi columns per product
 #else
 #define DQ_CHUNK 32
 #endif
 #define DQ_CHUNKS (HEAD_DIM / (2 * DQ_CHUNK))  // products per warpgroup
+// dQi's A operand, dSij: K-major, k steps 16 keys (32 bytes) apart; its
+// descriptors formed just in time (see wgmma_over_head_dim).
+#define DQ_A_STEP (16 * 2)
+#define DQ_A_LBO 16
+#define DQ_JIT true
 
 static_assert(B90_BR == 64 && B90_BC == 64, "Pij and dSij are one 64 x 64 swizzle block each");
 static_assert(HEAD_DIM > 128 && HEAD_DIM <= 256 && HEAD_DIM % 64 == 0, "whole swizzle blocks of columns");
-
-// Sij or dPij for this warpgroup's 32 keys: D[64 x 32] = A B^T over the head
-// dim; a_addr: the Qi/dOi stage (Br rows), b_addr: the warpgroup's first row
-// of Kj/Vj (a tile of Bc rows); both K-major.
-// (The addresses pass through an empty asm each step, so that the compiler
-// forms each step's descriptors just in time instead of holding all
-// 2 * SD_STEPS of them in registers.)
-__device__ __forceinline__ void issue_s32(float (&d)[16], u32 a_addr, u32 b_addr) {
-#pragma unroll
-    for (int ks = 0; ks < SD_STEPS; ++ks) {
-        asm volatile("" : "+r"(a_addr), "+r"(b_addr));
-        const u32 blk = (ks * 16) / SWZ_COLS, in_blk = ((ks * 16) % SWZ_COLS) * 2;
-        wgmma_ss(d, smem_desc_sw128(a_addr + blk * B90_BR * SWZ_ROW_BYTES + in_blk, 16),
-                 smem_desc_sw128(b_addr + blk * B90_BC * SWZ_ROW_BYTES + in_blk, 16), ks > 0);
-    }
-}
 
 // dX[:, c0:c0+N] += A^T B[:, c0:c0+N]: A^T = Pij^T or dSij^T from the
 // [Br][64] tile at a_addr (MN-major, keys contiguous), B = dOi or Qi from the
@@ -404,93 +171,75 @@ __device__ __forceinline__ void issue_kv(float (&d)[N / 2], u32 a_addr, u32 b_ad
                        1);
 }
 
-// dQi[:, c:c+DQ_CHUNK] += scale * dSij Kj[:, c:c+64] into the float32 accumulator.
-__device__ __forceinline__ void dq_chunk(float *dQacc, i64 row_base, int i0, int Nq, int D, float scale, u32 ds_addr,
-                                         u32 k_addr, int c, int warp_in_wg, int g, int t) {
-    asm volatile("" : "+r"(ds_addr), "+r"(k_addr));  // (descriptors just in time, see issue_s32)
-    float dq[DQ_CHUNK / 2];
+#endif
+
+// dQi[:, c0:c0+NC] += scale * dSij Kj[:, c0:c0+NC] for this warpgroup (its
+// query rows mrow.. of the tile at i0), into the float32 accumulator: A =
+// dSij (k step kk at a_addr + kk * DQ_A_STEP; dSij^T, MN-major, up to head
+// dim 128), B = Kj (MN-major), Bc/16 k steps over the keys.
+template <int NC>
+__device__ __forceinline__ void dq_product(float *dQacc, i64 row_base, int i0, int mrow, int Nq, int D, float scale,
+                                           u32 a_addr, u32 k_addr, int c0, int warp_in_wg, int g, int t) {
+    if (DQ_JIT) asm volatile("" : "+r"(a_addr), "+r"(k_addr));
+    float dq[NC / 2];
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < B90_BC / 16; ++kk)
-        wgmma_ss_tb(dq, smem_desc_sw128(ds_addr + kk * 16 * 2, 16),
-                    smem_desc_sw128(k_addr + (c / SWZ_COLS) * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES +
-                                        (c % SWZ_COLS) * 2,
-                                    B90_BC * SWZ_ROW_BYTES),
-                    kk > 0);
+#if HEAD_DIM <= 128
+        wgmma_ss_ta_tb(
+#else
+        wgmma_ss_tb(
+#endif
+            dq, smem_desc_sw128(a_addr + kk * DQ_A_STEP, DQ_A_LBO),
+            smem_desc_sw128(
+                k_addr + (c0 / SWZ_COLS) * B90_BC * SWZ_ROW_BYTES + kk * 16 * SWZ_ROW_BYTES + (c0 % SWZ_COLS) * 2,
+                B90_BC * SWZ_ROW_BYTES),
+            kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dq);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = i0 + 16 * warp_in_wg + g + 8 * r;
-        if (i < Nq) {
-            float *row = dQacc + (row_base + i) * D;
-#pragma unroll
-            for (int n = 0; n < DQ_CHUNK / 8; ++n)
-                dq_add_pair(row, c + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
-        }
-    }
+    dq_add_rows<NC>(dQacc, row_base, i0 + mrow + 16 * warp_in_wg + g, Nq, D, scale, c0, dq, t);
 }
 
-// Write columns [c_from, c0 + KV_N) of dKj (scaled) and dVj, of the KV_N
-// this warpgroup computed from c0.
-__device__ __forceinline__ void store_kv(elem_t *dKg, elem_t *dVg, i64 dk_sn, i64 dv_sn, const float (&dk)[KV_N / 2],
-                                         const float (&dv)[KV_N / 2], float scale, int k0, int Nk, int D, int c0,
-                                         int c_from, int warp_in_wg, int g, int t, bool vec) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = k0 + 16 * warp_in_wg + g + 8 * r;
-        if (j < Nk) {
-#pragma unroll
-            for (int n = 0; n < KV_N / 8; ++n) {
-                const int d = c0 + 8 * n + 2 * t;
-                if (d < c_from) continue;
-                store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk[4 * n + 2 * r], scale * dk[4 * n + 2 * r + 1], vec);
-                store_pair(dVg + (i64)j * dv_sn, d, D, dv[4 * n + 2 * r], dv[4 * n + 2 * r + 1], vec);
-            }
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(B90_THREADS, 1)
-flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
-                      const elem_t *__restrict__ dO, const float *__restrict__ Dvec,
-                      const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,
-                      elem_t *__restrict__ dV, const void *__restrict__ mask, const int *__restrict__ key_lengths,
-                      int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn,
-                      i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh,
-                      i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                      float scale_log2, float scale, int band_lo, int band_hi, int vec, int kv_group) {
+// flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
+FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
     elem_t *Vj = Kj + B90_BC * HDP;                                     // [HD_ATOMS][Bc][64]
     elem_t *Qs = Vj + B90_BC * HDP;                                     // [2][HD_ATOMS][Br][64]
     elem_t *dOs = Qs + 2 * B90_BR * HDP;                                // [2][HD_ATOMS][Br][64]
+#if HEAD_DIM <= 128
+    elem_t *dSt = dOs + 2 * B90_BR * HDP;                               // [Br/64][Bc][64]: dSij^T
+    float *Ls = reinterpret_cast<float *>(dSt + B90_BC * B90_BR);       // [2][Br], Li * log2(e)
+#else
     elem_t *Ps = dOs + 2 * B90_BR * HDP;                                // [Br][64]: Pij
     elem_t *dSs = Ps + B90_BR * B90_BC;                                 // [Br][64]: dSij
     float *Ls = reinterpret_cast<float *>(dSs + B90_BR * B90_BC);       // [2][Br], Li * log2(e)
+#endif
     float *Ds = Ls + 2 * B90_BR;                                        // [2][Br]
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    // Grid (H, B, key tiles): key tile slowest, so all heads' first (under a
-    // causal band, longest) key tiles are scheduled before any later one.
-    const int h = blockIdx.x, b = blockIdx.y, H = gridDim.x;
-    const int k0 = blockIdx.z * B90_BC;
+    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, q_sb, q_sh, dO, do_sb, do_sh, mask, m_sb, m_sh, m_sq,
+                                                         m_sk, band_lo, band_hi, key_lengths, Nq, Nk);
+    const int tr_begin = blk.qt.begin, n_q = blk.qt.end - blk.qt.begin;
 
-    const MaskParams mp =
-        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
-    const char *mask_bh = mask_head_base(mp, b, h);
+#if HEAD_DIM <= 128
+    const int k_last = min(blk.k0 + B90_BC, blk.mp.kl) - 1;  // (last key of this tile)
 
-    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const elem_t *dOg = dO + (i64)b * do_sb + (i64)h * do_sh;
-    const i64 row_base = ((i64)b * H + h) * Nq;  // row offset into Dvec, L2vec, dQacc
+    // Shared addresses of the operands.
+    const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
+    const u32 ds_addr = smem_addr(dSt);
+    const u32 kw_addr = k_addr + 64 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 64 * wg * SWZ_ROW_BYTES;
+    constexpr u32 QD_STAGE_BYTES = B90_BR * HDP * 2;
+    const int key_w = 64 * wg + 16 * warp_in_wg + g;  // this thread's first key in the tile (and key_w + 8)
+    // Whether any of this warpgroup's 64 keys is below the key length (the
+    // last key tile of a sequence may be partly empty: its empty warpgroups
+    // skip their products and only take part in dQi and the barriers).
+    const bool wg_live = blk.k0 + 64 * wg <= k_last;
 
-    // Query tiles with a row that sees any key of this tile.
-    const TileRange qt = query_tiles(k0, B90_BC, Nq, mp.kl, band_lo, band_hi, B90_BR);
-    const int tr_begin = qt.begin, n_q = qt.end - qt.begin;
-
+#else
     const u32 k_addr = smem_addr(Kj), v_addr = smem_addr(Vj), q_addr0 = smem_addr(Qs), do_addr0 = smem_addr(dOs);
     const u32 p_addr = smem_addr(Ps), ds_addr = smem_addr(dSs);
     const u32 kw_addr = k_addr + 32 * wg * SWZ_ROW_BYTES, vw_addr = v_addr + 32 * wg * SWZ_ROW_BYTES;
@@ -499,26 +248,51 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
     const int row_t = 16 * warp_in_wg + g;         // this thread's first row of Sij (and row_t + 8)
     const int key_t = 32 * wg + 2 * t;             // its first key column of Sij (+ 8n, + 1)
 
-    float dv[KV_N / 2], dk[KV_N / 2];
+#endif
+    float dv[KV_REGS], dk[KV_REGS];
 #pragma unroll
-    for (int i = 0; i < KV_N / 2; ++i) dv[i] = dk[i] = 0.f;
+    for (int i = 0; i < KV_REGS; ++i) dv[i] = dk[i] = 0.f;
 
     // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
     auto load_q_tile = [&](int it, int st) {
         const int i0 = (tr_begin + it) * B90_BR;
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, blk.Qg, q_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, blk.dOg, do_sn, i0, Nq, D, vec, tid);
         if (tid < B90_BR) {
             const bool ok = i0 + tid < Nq;
-            cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + row_base + i0 + tid : L2vec, ok);
-            cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + row_base + i0 + tid : Dvec, ok);
+            cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + blk.row_base + i0 + tid : L2vec, ok);
+            cp_async4(Ds + st * B90_BR + tid, ok ? Dvec + blk.row_base + i0 + tid : Dvec, ok);
         }
     };
 
+#if HEAD_DIM <= 128
+    // dSij^T rows of this thread's keys in shared memory, for dQi.
+    auto store_dsT = [&](const u32 (&ds)[B90_BR / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < B90_BR / 16; ++kk)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = 16 * kk + 8 * half + 2 * t;
+                    *reinterpret_cast<u32 *>(dSt + swz<B90_BC>(key_w + 8 * r, row)) = ds[kk][2 * half + r];
+                }
+    };
+    if (!wg_live && dQacc != nullptr) {
+        // A warpgroup without keys below the key length adds nothing to dQi:
+        // its rows of dSij^T are zero for the whole query loop (the loop's
+        // first barrier publishes them).
+        const u32 zero[B90_BR / 16][4] = {};
+        store_dsT(zero);
+    }
+
+#endif
     if (n_q > 0) {
-        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(blk.h, kv_group);  // the K/V head this query head reads
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)blk.b * k_sb + (i64)hk * k_sh, k_sn, blk.k0, Nk, D, vec,
+                                                 tid);
+        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)blk.b * v_sb + (i64)hk * v_sh, v_sn, blk.k0, Nk, D, vec,
+                                                 tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }
@@ -529,7 +303,8 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         cp_async_wait<0>();  // this thread's part of Qi, dOi, Li, Di (and Kj, Vj) has landed
         fence_proxy_async();
         // Every thread's loads are visible to all threads and the tensor cores;
-        // every warpgroup is done with the other stage (tile it-1), Pij and dSij.
+        // every warpgroup is done with the other stage (tile it-1) and with dSij^T
+        // (Pij and dSij above head dim 128).
         __syncthreads();
         if (it + 1 < n_q) load_q_tile(it + 1, st ^ 1);
         cp_async_commit();
@@ -537,25 +312,105 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
         const float *Li = Ls + st * B90_BR, *Di = Ds + st * B90_BR;
 
+#if HEAD_DIM <= 128
+        u32 pT[B90_BR / 16][4], dsT[B90_BR / 16][4];
+        if (wg_live) {
+            // Sij^T = Kj Qi^T and dPij^T = Vj dOi^T for this warpgroup's 64 keys.
+            float sT[ST_REGS], dpT[ST_REGS];
+            wgmma_fence();
+            wgmma_over_head_dim<B90_BC, B90_BR>(sT, kw_addr, q_addr);
+            wgmma_commit();
+            wgmma_over_head_dim<B90_BC, B90_BR>(dpT, vw_addr, do_addr);
+            wgmma_commit();
+            wgmma_wait<1>();  // Sij^T is done (dPij^T may still run)
+            wgmma_hold(sT);
+
+            // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
+            // A row that sees no key (Li = -inf) subtracts +inf instead, so that
+            // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
+            // that an unmasked tile pays one FFMA per score and no mask tests.
+            if (tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64)) {
+#pragma unroll
+                for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = 8 * n + 2 * t + (e & 1);
+                        const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, blk.mp, blk.mask_bh, i0 + row,
+                                                               blk.k0 + key_w + 8 * (e >> 1)) - base);
+                    }
+            } else {
+#pragma unroll
+                for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+                        sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
+                    }
+            }
+            wgmma_wait<0>();  // dPij^T is done
+            wgmma_hold(dpT);
+
+            // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
+            // (k step kk = query rows 16kk..16kk+15).
+#pragma unroll
+            for (int n = 0; n < B90_BR / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
+            pack_frags(pT, sT);
+            pack_frags(dsT, dpT);
+
+            // dVj += Pij^T dOi, dKj += dSij^T Qi (dOi, Qi as MN-major B operands).
+            wgmma_fence();
+            wgmma_regs_a(dv, pT, do_addr);
+            wgmma_regs_a(dk, dsT, q_addr);
+            wgmma_commit();
+        }
+
+        if (dQacc != nullptr) {
+            // dSij^T into shared memory (row pairs of one key as 32-bit
+            // stores); an empty warpgroup's rows are zero from the start.
+            if (wg_live) store_dsT(dsT);
+            fence_proxy_async();
+            // dSij^T of both warpgroups is visible to the tensor cores.
+            __syncthreads();
+#pragma unroll
+            for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
+                const u32 a_addr = ds_addr + mblk * B90_BC * SWZ_ROW_BYTES;  // dSij^T of query rows 64 mblk..
+                if (wg == 0)
+                    dq_product<DQ_N0>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, scale, a_addr, k_addr, 0, warp_in_wg,
+                                      g, t);
+                else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
+                    dq_product<DQ_N1>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, scale, a_addr, k_addr, DQ_N0,
+                                      warp_in_wg, g, t);
+            }
+        }
+        wgmma_wait<0>();  // dVj, dKj products are done: pT, dsT free
+        wgmma_hold(dv);
+        wgmma_hold(dk);
+        hold_frag(pT);
+        hold_frag(dsT);
+#else
         // Sij = Qi Kj^T and dPij = dOi Vj^T for this warpgroup's 32 keys.
         float s[16], dp[16];
         wgmma_fence();
-        issue_s32(s, q_addr, kw_addr);
+        wgmma_over_head_dim<B90_BR, B90_BC, true>(s, q_addr, kw_addr);
         wgmma_commit();
-        issue_s32(dp, do_addr, vw_addr);
+        wgmma_over_head_dim<B90_BR, B90_BC, true>(dp, do_addr, vw_addr);
         wgmma_commit();
         wgmma_wait<1>();  // Sij is done (dPij may still run)
         wgmma_hold(s);
 
         // Pij = exp2(Sij * scale * log2(e) + bias - Li).
         const float l2[2] = {Li[row_t], Li[row_t + 8]};
-        const bool need_mask = tile_needs_mask(mp, i0, B90_BR, k0 + 32 * wg, 32);
+        const bool need_mask = tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32);
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh,
-                                                         i0 + row_t + 8 * (e >> 1), k0 + key_t + 8 * n + (e & 1))
+                const float x = need_mask ? masked_score(s[4 * n + e], scale_log2, blk.mp, blk.mask_bh,
+                                                         i0 + row_t + 8 * (e >> 1), blk.k0 + key_t + 8 * n + (e & 1))
                                           : s[4 * n + e] * scale_log2;
                 s[4 * n + e] = (l2[e >> 1] == NEG_INF) ? 0.f : exp2_fast(x - l2[e >> 1]);
             }
@@ -588,17 +443,22 @@ flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K
         if (dQacc != nullptr) {
 #pragma unroll 1
             for (int c = 0; c < DQ_CHUNKS; ++c)
-                dq_chunk(dQacc, row_base, i0, Nq, D, scale, ds_addr, k_addr, (HEAD_DIM / 2) * wg + DQ_CHUNK * c,
-                         warp_in_wg, g, t);
+                dq_product<DQ_CHUNK>(dQacc, blk.row_base, i0, 0, Nq, D, scale, ds_addr, k_addr,
+                                     (HEAD_DIM / 2) * wg + DQ_CHUNK * c, warp_in_wg, g, t);
         }
         wgmma_wait<0>();  // the dVj, dKj products are done
         wgmma_hold(dv);
         wgmma_hold(dk);
+#endif
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    elem_t *dKg = dK + (i64)b * dk_sb + (i64)h * dk_sh;
-    elem_t *dVg = dV + (i64)b * dv_sb + (i64)h * dv_sh;
-    store_kv(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, k0, Nk, D, c0, wg == 0 ? 0 : KV_N, warp_in_wg, g, t, vec);
-}
+    elem_t *dKg = dK + (i64)blk.b * dk_sb + (i64)blk.h * dk_sh;
+    elem_t *dVg = dV + (i64)blk.b * dv_sb + (i64)blk.h * dv_sh;
+#if HEAD_DIM <= 128
+    store_kv<HEAD_DIM>(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, blk.k0 + key_w, Nk, D, 0, 0, t, vec);
+#else
+    store_kv<KV_N>(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, blk.k0 + 16 * warp_in_wg + g, Nk, D, c0, wg == 0 ? 0 : KV_N,
+                   t, vec);
 #endif
+}

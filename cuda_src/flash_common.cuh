@@ -77,6 +77,17 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const u32 (&ahi)[4], c
     mma_tf32(c, ahi, bhi);
 }
 
+// C fragments (MT x NT tiles of 16 x 8) set to zero.
+template <int MT, int NT>
+__device__ __forceinline__ void zero_frags(float (&c)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[mt][n][e] = 0.f;
+}
+
 // Warp-level C[16*MT x 8*NT] += A[16*MT x K] * B[K x 8*NT] with A and B read
 // through accessors A(m, k), B(k, n) (shared memory), k over [0, 8*ksteps).
 // INTERLEAVED picks the k order inside each 8-wide step (see the top).
@@ -290,6 +301,53 @@ __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int 
 #else
     return nullptr;
 #endif
+}
+
+// ------------------------------------------------------ dK/dV blocks
+
+// The work of a dK/dV block.  Grid (H, B, key tiles), the key tile slowest,
+// so that all heads' first (under a causal band, longest) key tiles are
+// scheduled before any later one: keys k0..k0+KEYS-1 of (batch b, head h),
+// their masking rules (mp; mask_bh, the dense mask at (b, h)), the (b, h)
+// planes of Q and dO, the offset of the block's rows in the (B, H, Nq)
+// workspace arrays (Dvec, L2vec, dQacc) and the query tiles (of ROWS rows)
+// with a row that sees any of its keys.
+template <typename T>
+struct KeyTile {
+    int h, b, H, k0;
+    MaskParams mp;
+    const char *mask_bh;
+    const T *Qg, *dOg;
+    i64 row_base;
+    TileRange qt;
+};
+
+template <int KEYS, int ROWS, typename T>
+__device__ __forceinline__ KeyTile<T> key_tile(const T *Q, i64 q_sb, i64 q_sh, const T *dO, i64 do_sb, i64 do_sh,
+                                               const void *mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, int band_lo,
+                                               int band_hi, const int *key_lengths, int Nq, int Nk) {
+    KeyTile<T> blk;
+    blk.h = blockIdx.x, blk.b = blockIdx.y, blk.H = gridDim.x;
+    blk.k0 = blockIdx.z * KEYS;
+    blk.mp = mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, blk.b, Nk), Nq);
+    blk.mask_bh = mask_head_base(blk.mp, blk.b, blk.h);
+    blk.Qg = Q + (i64)blk.b * q_sb + (i64)blk.h * q_sh;
+    blk.dOg = dO + (i64)blk.b * do_sb + (i64)blk.h * do_sh;
+    blk.row_base = ((i64)blk.b * blk.H + blk.h) * Nq;
+    blk.qt = query_tiles(blk.k0, KEYS, Nq, blk.mp.kl, band_lo, band_hi, ROWS);
+    return blk;
+}
+
+// Li (log2 units) and Di of the query tile i0..i0+ROWS-1 into shared memory
+// (rows past Nq: Li = -inf, Di = 0), one row a thread.
+template <int ROWS>
+__device__ __forceinline__ void load_row_stats(float *Li, float *Di, const float *L2vec, const float *Dvec,
+                                               i64 row_base, int i0, int Nq, int tid) {
+    if (tid < ROWS) {
+        const int i = i0 + tid;
+        Li[tid] = (i < Nq) ? L2vec[row_base + i] : NEG_INF;
+        Di[tid] = (i < Nq) ? Dvec[row_base + i] : 0.f;
+    }
 }
 
 // ---------------------------------------------------------------- epilogue

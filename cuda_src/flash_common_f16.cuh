@@ -141,6 +141,48 @@ __device__ __forceinline__ void load_b_kn(u32 (&b)[4], const elem_t *tile, int l
     ldsm_x4_t(b, tile + k * ld + n);
 }
 
+// One 16-wide k step (k0..k0+15) of C += A B for a warp tile of MT 16-row
+// blocks x NP 16-column pairs: A from rows m0 + 16mt.. of a row-major tile
+// (row stride lda), B from columns n0.. of a row-major tile T (row stride
+// ldb), T = B^T ([n][k], B_KN false: load_b_nk) or B itself (B_KN: load_b_kn).
+template <int MT, int NP, bool B_KN>
+__device__ __forceinline__ void mma_kstep(float (&c)[MT][2 * NP][4], const elem_t *A, int lda, int m0,
+                                          const elem_t *T, int ldb, int n0, int k0, int lane) {
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) load_a(a[mt], A, lda, m0 + 16 * mt, k0, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+        u32 b[4];
+        if (B_KN)
+            load_b_kn(b, T, ldb, n0 + 16 * np, k0, lane);
+        else
+            load_b_nk(b, T, ldb, n0 + 16 * np, k0, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma16816_x2(c[mt][2 * np], c[mt][2 * np + 1], a[mt], b);
+    }
+}
+
+// One 16-wide k step (ks) of Sij = Qi Kj^T and dPij = dOi Vj^T, the
+// backward's two score products: rows m0..m0+15 of Qi, dOi against the NP
+// 16-row pairs of Kj, Vj from row n0 (s, dp: their 2*NP C fragments).
+template <int NP>
+__device__ __forceinline__ void mma_s_dp_kstep(float (&s)[2 * NP][4], float (&dp)[2 * NP][4], const elem_t *Qi,
+                                               const elem_t *dOi, const elem_t *Kj, const elem_t *Vj, int m0, int n0,
+                                               int ks, int lane) {
+    u32 aq[4], ado[4];
+    load_a(aq, Qi, LDH, m0, 16 * ks, lane);
+    load_a(ado, dOi, LDH, m0, 16 * ks, lane);
+#pragma unroll
+    for (int np = 0; np < NP; ++np) {
+        u32 bk[4], bv[4];
+        load_b_nk(bk, Kj, LDH, n0 + 16 * np, 16 * ks, lane);
+        load_b_nk(bv, Vj, LDH, n0 + 16 * np, 16 * ks, lane);
+        mma16816_x2(s[2 * np], s[2 * np + 1], aq, bk);
+        mma16816_x2(dp[2 * np], dp[2 * np + 1], ado, bv);
+    }
+}
+
 // Offset (elements) of element (r, c) in a 128-byte-swizzled [HD_ATOMS][ROWS][64]
 // tile, the layout of the Hopper passes (described in flash_common_sm90.cuh).
 #ifndef SWZ_COLS

@@ -127,18 +127,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             [&](int k, int n) { return Kj[n * LDH + k]; }, ksteps, BC, lane);
 #elif LEAN_REGISTERS
 #pragma unroll 1
-        for (int ks = 0; ks < K_STEPS; ++ks) {
-            u32 a[FWD_MT][4];
-#pragma unroll
-            for (int mt = 0; mt < FWD_MT; ++mt) load_a(a[mt], Qi, LDH, row_w + 16 * mt, 16 * ks, lane);
-#pragma unroll
-            for (int np = 0; np < S_TILES / 2; ++np) {
-                u32 bf[4];
-                load_b_nk(bf, Kj, LDH, 16 * np, 16 * ks, lane);
-#pragma unroll
-                for (int mt = 0; mt < FWD_MT; ++mt) mma16816_x2(s[mt][2 * np], s[mt][2 * np + 1], a[mt], bf);
-            }
-        }
+        for (int ks = 0; ks < K_STEPS; ++ks)
+            mma_kstep<FWD_MT, S_TILES / 2, false>(s, Qi, LDH, row_w, Kj, LDH, 0, 16 * ks, lane);
 #else
         {  // (fragments of k step ks + 1 load while the products of step ks run)
             u32 a[2][FWD_MT][4], bf[2][S_TILES / 2][4];

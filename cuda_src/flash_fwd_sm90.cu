@@ -356,8 +356,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         elem_t *Og = O + (i64)jb.b * o_sb + (i64)jb.h * o_sh;
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            store_out_row<HEAD_DIM / 8>(Og, o_sn, LSE, jb.b, jb.h, l_sb, l_sh, l_sn, q0 + row_w + g, r, Nq, D, t, m_i[r],
-                                        l_i[r], vec, [&](int n, int e) { return o_acc[4 * n + 2 * r + e]; });
+            store_out_row<HEAD_DIM / 8>(Og, o_sn, LSE, jb.b, jb.h, l_sb, l_sh, l_sn, q0 + row_w + g, r, Nq, D, t,
+                                        m_i[r], l_i[r], vec, [&](int n, int e) { return o_acc[4 * n + 2 * r + e]; });
         job = next;
     }
 
