@@ -46,6 +46,8 @@
 
 // ------------------------------------------------------------------- dK, dV
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
+LAUNCH_SHAPE(flash_bwd_dkdv_kernel, BWD_THREADS, BWD_BC,
+             ((2 * BWD_BC + 2 * BWD_BR) * LD_HEAD + 2 * BWD_BR * LD_S + 2 * BWD_BR) * sizeof(float));
 FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
     extern __shared__ __align__(16) float smem[];
     float *Kj = smem;                      // [BWD_BC][LD_HEAD]
@@ -59,8 +61,9 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, q_sb, q_sh, dO, do_sb, do_sh, mask, m_sb, m_sh, m_sq, m_sk,
-                                                        band_lo, band_hi, key_lengths, Nq, Nk);
+    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
+                                                        args.m_sb, args.m_sh, args.m_sq, args.m_sk,
+                                                        args.band_lo, args.band_hi, key_lengths, Nq, Nk);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -76,16 +79,14 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         for (int e = 0; e < 4; ++e) dv_acc[0][n][e] = dk_acc[0][n][e] = 0.f;
 
     if (tr_begin < tr_end) {
-        const int hk = kv_head(blk.h, kv_group);  // the K/V head this query head reads
-        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)blk.b * k_sb + (i64)hk * k_sh, k_sn, blk.k0, Nk, D, vec, tid);
-        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)blk.b * v_sb + (i64)hk * v_sh, v_sn, blk.k0, Nk, D, vec, tid);
+        load_block_kv<BWD_BC, BWD_THREADS>(Kj, Vj, K, V, blk, args, Nq, D, tid);
     }
 
     for (int tr = tr_begin; tr < tr_end; ++tr) {
         const int i0 = tr * BWD_BR;
         // Load Qi, dOi (async) and the row statistics Li, Di.
-        load_tile<BWD_BR, BWD_THREADS>(Qi, blk.Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile<BWD_BR, BWD_THREADS>(dOi, blk.dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(Qi, blk.Qg, args.q_sn, i0, Nq, D, args.vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(dOi, blk.dOg, args.do_sn, i0, Nq, D, args.vec, tid);
         cp_async_commit();
         load_row_stats<BWD_BR>(Li, Di, L2vec, Dvec, blk.row_base, i0, Nq, tid);
         cp_async_wait<0>();
@@ -113,8 +114,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
             for (int e = 0; e < 4; ++e) {
                 const int r = s_row + g + 8 * (e >> 1), c = s_col + 8 * n + 2 * t + (e & 1);
                 const float x = need_mask
-                                    ? masked_score(s[0][n][e], scale_log2, blk.mp, blk.mask_bh, i0 + r, blk.k0 + c)
-                                    : s[0][n][e] * scale_log2;
+                                    ? masked_score(s[0][n][e], args.scale_log2, blk.mp, blk.mask_bh, i0 + r, blk.k0 + c)
+                                    : s[0][n][e] * args.scale_log2;
                 const float l2 = Li[r];
                 const float p = (l2 == NEG_INF) ? 0.f : exp2f(x - l2);
                 Pij[r * LD_S + c] = p;
@@ -152,7 +153,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = i0 + q_row + g + 8 * (e >> 1), d = q_col + 8 * n + 2 * t + (e & 1);
-                    if (i < Nq && d < D) atomicAdd(dQacc + (blk.row_base + i) * D + d, scale * dq[0][n][e]);
+                    if (i < Nq && d < D) atomicAdd(dQacc + (blk.row_base + i) * D + d, args.scale * dq[0][n][e]);
                 }
             }
         }
@@ -161,16 +162,16 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    float *dKg = dK + (i64)blk.b * dk_sb + (i64)blk.h * dk_sh;
-    float *dVg = dV + (i64)blk.b * dv_sb + (i64)blk.h * dv_sh;
+    float *dKg = dK + (i64)blk.b * args.dkh_sb + (i64)blk.h * args.dkh_sh;
+    float *dVg = dV + (i64)blk.b * args.dvh_sb + (i64)blk.h * args.dvh_sh;
 #pragma unroll
     for (int n = 0; n < NT_KV; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int j = blk.k0 + kv_row + g + 8 * (e >> 1), d = kv_col + 8 * n + 2 * t + (e & 1);
             if (j < Nk && d < D) {
-                dKg[(i64)j * dk_sn + d] = scale * dk_acc[0][n][e];
-                dVg[(i64)j * dv_sn + d] = dv_acc[0][n][e];
+                dKg[(i64)j * args.dkh_sn + d] = args.scale * dk_acc[0][n][e];
+                dVg[(i64)j * args.dvh_sn + d] = dv_acc[0][n][e];
             }
         }
     }

@@ -65,6 +65,8 @@ constexpr int kBwdKsUnroll = BWD_KS_UNROLL;  // (#pragma unroll takes no macros)
 
 // ------------------------------------------------------------------- dK, dV
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
+LAUNCH_SHAPE(flash_bwd_dkdv_kernel, BWD_THREADS, BWD_BC,
+             ((2 * BWD_BC + 4 * BWD_BR) * LDH + 2 * BWD_BR * LDS) * sizeof(elem_t) + 2 * BWD_BR * sizeof(float));
 FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(smem_raw);  // [BWD_BC][LDH]
@@ -78,8 +80,9 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, q_sb, q_sh, dO, do_sb, do_sh, mask, m_sb, m_sh, m_sq,
-                                                         m_sk, band_lo, band_hi, key_lengths, Nq, Nk);
+    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
+                                                         args.m_sb, args.m_sh, args.m_sq,
+                                                         args.m_sk, args.band_lo, args.band_hi, key_lengths, Nq, Nk);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -97,11 +100,9 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     if (tr_begin < tr_end) {
         // Kj, Vj and the first Qi, dOi.
-        const int hk = kv_head(blk.h, kv_group);  // the K/V head this query head reads
-        load_tile<BWD_BC, BWD_THREADS>(Kj, K + (i64)blk.b * k_sb + (i64)hk * k_sh, k_sn, blk.k0, Nk, D, vec, tid);
-        load_tile<BWD_BC, BWD_THREADS>(Vj, V + (i64)blk.b * v_sb + (i64)hk * v_sh, v_sn, blk.k0, Nk, D, vec, tid);
-        load_tile<BWD_BR, BWD_THREADS>(Qbuf, blk.Qg, q_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
-        load_tile<BWD_BR, BWD_THREADS>(dObuf, blk.dOg, do_sn, tr_begin * BWD_BR, Nq, D, vec, tid);
+        load_block_kv<BWD_BC, BWD_THREADS>(Kj, Vj, K, V, blk, args, Nq, D, tid);
+        load_tile<BWD_BR, BWD_THREADS>(Qbuf, blk.Qg, args.q_sn, tr_begin * BWD_BR, Nq, D, args.vec, tid);
+        load_tile<BWD_BR, BWD_THREADS>(dObuf, blk.dOg, args.do_sn, tr_begin * BWD_BR, Nq, D, args.vec, tid);
         cp_async_commit();
     }
 
@@ -117,8 +118,10 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         // thread; every warp is done with the previous tile's buffers, Pij, dSij.
         __syncthreads();
         if (tr + 1 < tr_end) {  // prefetch the next query tile into the other buffer
-            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, q_sn, i0 + BWD_BR, Nq, D, vec, tid);
-            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, blk.dOg, do_sn, i0 + BWD_BR, Nq, D, vec,
+            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, args.q_sn, i0 + BWD_BR, Nq, D,
+                                           args.vec, tid);
+            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, blk.dOg, args.do_sn, i0 + BWD_BR, Nq, D,
+                                           args.vec,
                                              tid);
             cp_async_commit();
         }
@@ -150,8 +153,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
                     for (int e = 0; e < 2; ++e) {
                         const float sv = s[n][2 * r + e];
                         const float x =
-                            need_mask ? masked_score(sv, scale_log2, blk.mp, blk.mask_bh, i0 + row, blk.k0 + c + e)
-                                      : sv * scale_log2;
+                            need_mask ? masked_score(sv, args.scale_log2, blk.mp, blk.mask_bh, i0 + row, blk.k0 + c + e)
+                                      : sv * args.scale_log2;
                         p[e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
                         ds[e] = p[e] * (dp[n][2 * r + e] - di);
                     }
@@ -211,16 +214,16 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
                         float *row = dQacc + (blk.row_base + i) * D;
 #pragma unroll
                         for (int n = 0; n < NT_Q; ++n)
-                            dq_add_pair(row, q_col + 8 * n + 2 * t, D, scale * dq[mt][n][2 * r],
-                                        scale * dq[mt][n][2 * r + 1]);
+                            dq_add_pair(row, q_col + 8 * n + 2 * t, D, args.scale * dq[mt][n][2 * r],
+                                        args.scale * dq[mt][n][2 * r + 1]);
                     }
                 }
         }
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    elem_t *dKg = dK + (i64)blk.b * dk_sb + (i64)blk.h * dk_sh;
-    elem_t *dVg = dV + (i64)blk.b * dv_sb + (i64)blk.h * dv_sh;
+    elem_t *dKg = dK + (i64)blk.b * args.dkh_sb + (i64)blk.h * args.dkh_sh;
+    elem_t *dVg = dV + (i64)blk.b * args.dvh_sb + (i64)blk.h * args.dvh_sh;
 #pragma unroll
     for (int mt = 0; mt < KV_MT; ++mt)
 #pragma unroll
@@ -230,9 +233,10 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 #pragma unroll
                 for (int n = 0; n < NT_KV; ++n) {
                     const int d = kv_col + 8 * n + 2 * t;
-                    store_pair(dKg + (i64)j * dk_sn, d, D, scale * dk_acc[mt][n][2 * r],
-                               scale * dk_acc[mt][n][2 * r + 1], vec);
-                    store_pair(dVg + (i64)j * dv_sn, d, D, dv_acc[mt][n][2 * r], dv_acc[mt][n][2 * r + 1], vec);
+                    store_pair(dKg + (i64)j * args.dkh_sn, d, D, args.scale * dk_acc[mt][n][2 * r],
+                               args.scale * dk_acc[mt][n][2 * r + 1], args.vec);
+                    store_pair(dVg + (i64)j * args.dvh_sn, d, D, dv_acc[mt][n][2 * r], dv_acc[mt][n][2 * r + 1],
+                               args.vec);
                 }
             }
         }

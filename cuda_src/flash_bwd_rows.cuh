@@ -39,38 +39,47 @@ constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;
 // ------------------------------------------------------------------- dK, dV
 // The signature of flash_bwd_dkdv_kernel (THREADS a block), whose body each
 // pass writes after it: flash_bwd.cu, flash_bwd_f16.cu, flash_bwd_sm90.cu.
-#define FLASH_BWD_DKDV_KERNEL(THREADS)                                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                       \
-    flash_bwd_dkdv_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V, \
-                          const elem_t *__restrict__ dO, const float *__restrict__ Dvec,                           \
-                          const float *__restrict__ L2vec, float *__restrict__ dQacc, elem_t *__restrict__ dK,     \
-                          elem_t *__restrict__ dV, const void *__restrict__ mask,                                  \
-                          const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh,          \
-                          i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 do_sb,         \
-                          i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn,  \
-                          i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,      \
-                          int band_hi, int vec, int kv_group)
+#define FLASH_BWD_DKDV_KERNEL(THREADS)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) flash_bwd_dkdv_kernel(                       \
+        const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,          \
+        const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,    \
+        float *__restrict__ dQacc, elem_t *__restrict__ dK, elem_t *__restrict__ dV,                        \
+        const void *__restrict__ mask, const int *__restrict__ key_lengths, int Nq, int Nk, int D,         \
+        const __grid_constant__ AttnParams args)
+
+// Kj, Vj of a dK/dV block: keys blk.k0.. of the K/V head its query head
+// reads, the keys no query row may see zero-filled.
+template <int KEYS, int NTHREADS, bool SWZ = false>
+__device__ __forceinline__ void load_block_kv(elem_t *Kj, elem_t *Vj, const elem_t *K, const elem_t *V,
+                                              const KeyTile<elem_t> &blk, const AttnParams &args, int Nq, int D,
+                                              int tid) {
+    const int hk = kv_head(blk.h, args.kv_group);
+    const KeyRange kr = seen_keys(0, Nq, Nq, blk.mp.kl, args.band_lo, args.band_hi);
+    load_tile<KEYS, NTHREADS, SWZ>(Kj, K + (i64)blk.b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, blk.k0, kr.hi, D,
+                                   args.vec, tid, kr.lo);
+    load_tile<KEYS, NTHREADS, SWZ>(Vj, V + (i64)blk.b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, blk.k0, kr.hi, D,
+                                   args.vec, tid, kr.lo);
+}
 
 // ------------------------------------------------------------- preprocess
 // Di, Li * log2(e) and the zeroed dQ accumulator (preprocess_rows).
+LAUNCH_SHAPE(flash_bwd_preprocess, PRE_THREADS, PRE_ROWS * PRE_WARPS, 0);
 extern "C" __global__ void __launch_bounds__(PRE_THREADS)
 flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
-                     float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int H, int Nq,
-                     int D, i64 total_rows, i64 do_sb, i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                     i64 l_sb, i64 l_sh, i64 l_sn) {
-    preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, H, Nq, D, total_rows, do_sb, do_sh, do_sn, o_sb, o_sh, o_sn,
-                    l_sb, l_sh, l_sn, [](elem_t x) { return to_float(x); });
+                     float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int Nq, int D,
+                     const __grid_constant__ AttnParams args) {
+    preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, args.H, Nq, D, args.total_rows, args.do_sb, args.do_sh, args.do_sn,
+                    args.o_sb, args.o_sh, args.o_sn,
+                    args.l_sb, args.l_sh, args.l_sn, [](elem_t x) { return to_float(x); });
 }
 
 // ------------------------------------------------------- deterministic dQ
+LAUNCH_SHAPE(flash_bwd_dq_kernel, DQ_THREADS, DQ_BR, (2 * DQ_BR + 2 * DQ_BC) * LDH * sizeof(elem_t));
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)
 flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                     const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,
                     elem_t *__restrict__ dQ, const void *__restrict__ mask, const int *__restrict__ key_lengths,
-                    int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb,
-                    i64 v_sh, i64 v_sn, i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
-                    i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2, float scale, int band_lo,
-                    int band_hi, int vec, int kv_group) {
+                    int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [DQ_BR][LDH]
     elem_t *dOi = Qi + DQ_BR * LDH;                     // [DQ_BR][LDH]
@@ -84,11 +93,13 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     const int row_w = 16 * warp;
 
     const MaskParams mp =
-        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
+        mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi,
+                    key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
     const i64 row_base = ((i64)b * H + h) * Nq;
 
-    const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, band_lo, band_hi, DQ_BC);
+    const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi, DQ_BC);
+    const KeyRange kr = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
     const int tc_begin = kt.begin, tc_end = kt.end;
 
     // Row statistics of this thread's rows g and g+8.
@@ -108,14 +119,18 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
 #endif
 
     if (tc_begin < tc_end) {
-        load_tile<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * q_sb + (i64)h * q_sh, q_sn, q0, Nq, D, vec, tid);
-        load_tile<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * do_sb + (i64)h * do_sh, do_sn, q0, Nq, D, vec, tid);
+        load_tile<DQ_BR, DQ_THREADS>(Qi, Q + (i64)b * args.q_sb + (i64)h * args.q_sh, args.q_sn, q0, Nq, D, args.vec,
+                                     tid);
+        load_tile<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * args.do_sb + (i64)h * args.do_sh, args.do_sn, q0, Nq, D,
+                                     args.vec, tid);
     }
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
-        const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-        load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * k_sb + (i64)hk * k_sh, k_sn, k0, Nk, D, vec, tid);
-        load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * v_sb + (i64)hk * v_sh, v_sn, k0, Nk, D, vec, tid);
+        const int hk = kv_head(h, args.kv_group);  // the K/V head this query head reads
+        load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, k0, kr.hi, D,
+                                     args.vec, tid, kr.lo);
+        load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, k0, kr.hi, D,
+                                     args.vec, tid, kr.lo);
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.
@@ -149,8 +164,8 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
                 const int i = q0 + row_w + g + 8 * r, j = k0 + 8 * n + 2 * t + (e & 1);
-                const float x = need_mask ? masked_score(s[0][n][e], scale_log2, mp, mask_bh, i, j)
-                                          : s[0][n][e] * scale_log2;
+                const float x = need_mask ? masked_score(s[0][n][e], args.scale_log2, mp, mask_bh, i, j)
+                                          : s[0][n][e] * args.scale_log2;
                 const float p = (l2[r] == NEG_INF) ? 0.f : softmax_exp2(x - l2[r]);
                 s[0][n][e] = p * (dp[0][n][e] - di[r]);
             }
@@ -178,37 +193,38 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
         __syncthreads();
     }
 
-    elem_t *dQg = dQ + (i64)b * dq_sb + (i64)h * dq_sh;
+    elem_t *dQg = dQ + (i64)b * args.dq_sb + (i64)h * args.dq_sh;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int i = q0 + row_w + g + 8 * r;
         if (i < Nq) {
 #pragma unroll
             for (int n = 0; n < HEAD_DIM / 8; ++n)
-                store_pair_scaled(dQg + (i64)i * dq_sn, 8 * n + 2 * t, D, dq_acc[n][2 * r], dq_acc[n][2 * r + 1],
-                                  scale, vec);
+                store_pair_scaled(dQg + (i64)i * args.dq_sn, 8 * n + 2 * t, D, dq_acc[n][2 * r], dq_acc[n][2 * r + 1],
+                                  args.scale, args.vec);
         }
     }
 }
 
 // --------------------------------------------------------------- convert dQ
 // dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled), as elem_t.
+LAUNCH_SHAPE(flash_bwd_convert_dq, PRE_THREADS, PRE_ROWS * PRE_WARPS, 0);
 extern "C" __global__ void __launch_bounds__(PRE_THREADS)
-flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int H, int Nq, int D, i64 total_rows,
-                     i64 dq_sb, i64 dq_sh, i64 dq_sn, int vec) {
-    convert_dq_rows(dQacc, dQ, H, Nq, D, total_rows, dq_sb, dq_sh, dq_sn,
-                    [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, vec); });
+flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int Nq, int D,
+                     const __grid_constant__ AttnParams args) {
+    convert_dq_rows(dQacc, dQ, args.H, Nq, D, args.total_rows, args.dq_sb, args.dq_sh, args.dq_sn,
+                    [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, args.vec); });
 }
 
 // -------------------------------------------------- grouped K/V heads: sums
 // dK, dV of each K/V head from the per-query-head terms in the workspace
 // (sum_head_groups); blockIdx.y 0: dK, 1: dV.
-extern "C" __global__ void __launch_bounds__(256)
+LAUNCH_SHAPE(flash_bwd_sum_groups, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_bwd_sum_groups(const elem_t *__restrict__ dKh, const elem_t *__restrict__ dVh, elem_t *__restrict__ dK,
-                     elem_t *__restrict__ dV, int Hkv, int G, int Nk, int D, i64 total, i64 dk_sb, i64 dk_sh,
-                     i64 dk_sn, i64 dv_sb, i64 dv_sh, i64 dv_sn) {
+                     elem_t *__restrict__ dV, int Nk, int D, const __grid_constant__ AttnParams args) {
     const bool is_v = blockIdx.y == 1;
-    sum_head_groups(is_v ? dVh : dKh, is_v ? dV : dK, Hkv, G, Nk, D, total, is_v ? dv_sb : dk_sb,
-                    is_v ? dv_sh : dk_sh, is_v ? dv_sn : dk_sn, [](elem_t x) { return to_float(x); },
-                    [](elem_t *p, float x) { *p = from_float(x); });
+    sum_head_groups(is_v ? dVh : dKh, is_v ? dV : dK, args.Hkv, args.kv_group, Nk, D, args.kv_total,
+                    is_v ? args.dv_sb : args.dk_sb, is_v ? args.dv_sh : args.dk_sh, is_v ? args.dv_sn : args.dk_sn,
+                    [](elem_t x) { return to_float(x); }, [](elem_t *p, float x) { *p = from_float(x); });
 }

@@ -202,6 +202,11 @@ __device__ __forceinline__ void dq_product(float *dQacc, i64 row_base, int i0, i
 }
 
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
+// Shared memory (the layout below): Kj, Vj; Qi, dOi in two stages; dSij^T
+// (Pij and dSij above head dim 128); Li, Di in two stages; alignment slack.
+LAUNCH_SHAPE(flash_bwd_dkdv_kernel, B90_THREADS, B90_BC,
+             ((2 * B90_BC + 4 * B90_BR) * HDP + (HEAD_DIM <= 128 ? 1 : 2) * B90_BC * B90_BR) * sizeof(elem_t) +
+                 4 * B90_BR * sizeof(float) + SMEM_ALIGN);
 FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
@@ -221,8 +226,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, q_sb, q_sh, dO, do_sb, do_sh, mask, m_sb, m_sh, m_sq,
-                                                         m_sk, band_lo, band_hi, key_lengths, Nq, Nk);
+    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
+                                                         args.m_sb, args.m_sh, args.m_sq,
+                                                         args.m_sk, args.band_lo, args.band_hi, key_lengths, Nq, Nk);
     const int tr_begin = blk.qt.begin, n_q = blk.qt.end - blk.qt.begin;
 
 #if HEAD_DIM <= 128
@@ -256,8 +262,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
     auto load_q_tile = [&](int it, int st) {
         const int i0 = (tr_begin + it) * B90_BR;
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, blk.Qg, q_sn, i0, Nq, D, vec, tid);
-        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, blk.dOg, do_sn, i0, Nq, D, vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, blk.Qg, args.q_sn, i0, Nq, D, args.vec, tid);
+        load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, blk.dOg, args.do_sn, i0, Nq, D, args.vec,
+                                                 tid);
         if (tid < B90_BR) {
             const bool ok = i0 + tid < Nq;
             cp_async4(Ls + st * B90_BR + tid, ok ? L2vec + blk.row_base + i0 + tid : L2vec, ok);
@@ -288,11 +295,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 
 #endif
     if (n_q > 0) {
-        const int hk = kv_head(blk.h, kv_group);  // the K/V head this query head reads
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Kj, K + (i64)blk.b * k_sb + (i64)hk * k_sh, k_sn, blk.k0, Nk, D, vec,
-                                                 tid);
-        load_tile<B90_BC, B90_THREADS, SWIZZLED>(Vj, V + (i64)blk.b * v_sb + (i64)hk * v_sh, v_sn, blk.k0, Nk, D, vec,
-                                                 tid);
+        load_block_kv<B90_BC, B90_THREADS, SWIZZLED>(Kj, Vj, K, V, blk, args, Nq, D, tid);
         load_q_tile(0, 0);
         cp_async_commit();
     }
@@ -336,7 +339,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
                     for (int e = 0; e < 4; ++e) {
                         const int row = 8 * n + 2 * t + (e & 1);
                         const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], scale_log2, blk.mp, blk.mask_bh, i0 + row,
+                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh,
+                                                               i0 + row,
                                                                blk.k0 + key_w + 8 * (e >> 1)) - base);
                     }
             } else {
@@ -345,7 +349,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float l2 = Li[8 * n + 2 * t + (e & 1)], base = (l2 == NEG_INF) ? -NEG_INF : l2;
-                        sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], scale_log2, -base));
+                        sT[4 * n + e] = exp2_fast(fmaf(sT[4 * n + e], args.scale_log2, -base));
                     }
             }
             wgmma_wait<0>();  // dPij^T is done
@@ -379,10 +383,11 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
                 const u32 a_addr = ds_addr + mblk * B90_BC * SWZ_ROW_BYTES;  // dSij^T of query rows 64 mblk..
                 if (wg == 0)
-                    dq_product<DQ_N0>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, scale, a_addr, k_addr, 0, warp_in_wg,
+                    dq_product<DQ_N0>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr, 0,
+                                      warp_in_wg,
                                       g, t);
                 else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
-                    dq_product<DQ_N1>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, scale, a_addr, k_addr, DQ_N0,
+                    dq_product<DQ_N1>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr, DQ_N0,
                                       warp_in_wg, g, t);
             }
         }
@@ -409,9 +414,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = need_mask ? masked_score(s[4 * n + e], scale_log2, blk.mp, blk.mask_bh,
+                const float x = need_mask ? masked_score(s[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh,
                                                          i0 + row_t + 8 * (e >> 1), blk.k0 + key_t + 8 * n + (e & 1))
-                                          : s[4 * n + e] * scale_log2;
+                                          : s[4 * n + e] * args.scale_log2;
                 s[4 * n + e] = (l2[e >> 1] == NEG_INF) ? 0.f : exp2_fast(x - l2[e >> 1]);
             }
         wgmma_wait<0>();  // dPij is done
@@ -443,7 +448,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         if (dQacc != nullptr) {
 #pragma unroll 1
             for (int c = 0; c < DQ_CHUNKS; ++c)
-                dq_product<DQ_CHUNK>(dQacc, blk.row_base, i0, 0, Nq, D, scale, ds_addr, k_addr,
+                dq_product<DQ_CHUNK>(dQacc, blk.row_base, i0, 0, Nq, D, args.scale, ds_addr, k_addr,
                                      (HEAD_DIM / 2) * wg + DQ_CHUNK * c, warp_in_wg, g, t);
         }
         wgmma_wait<0>();  // the dVj, dKj products are done
@@ -453,12 +458,14 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.
-    elem_t *dKg = dK + (i64)blk.b * dk_sb + (i64)blk.h * dk_sh;
-    elem_t *dVg = dV + (i64)blk.b * dv_sb + (i64)blk.h * dv_sh;
+    elem_t *dKg = dK + (i64)blk.b * args.dkh_sb + (i64)blk.h * args.dkh_sh;
+    elem_t *dVg = dV + (i64)blk.b * args.dvh_sb + (i64)blk.h * args.dvh_sh;
 #if HEAD_DIM <= 128
-    store_kv<HEAD_DIM>(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, blk.k0 + key_w, Nk, D, 0, 0, t, vec);
+    store_kv<HEAD_DIM>(dKg, dVg, args.dkh_sn, args.dvh_sn, dk, dv, args.scale, blk.k0 + key_w, Nk, D, 0, 0, t,
+                       args.vec);
 #else
-    store_kv<KV_N>(dKg, dVg, dk_sn, dv_sn, dk, dv, scale, blk.k0 + 16 * warp_in_wg + g, Nk, D, c0, wg == 0 ? 0 : KV_N,
-                   t, vec);
+    store_kv<KV_N>(dKg, dVg, args.dkh_sn, args.dvh_sn, dk, dv, args.scale, blk.k0 + 16 * warp_in_wg + g, Nk, D, c0,
+                   wg == 0 ? 0 : KV_N,
+                   t, args.vec);
 #endif
 }

@@ -52,6 +52,21 @@ typedef long long i64;
 #endif
 #define LD_HEAD (HEAD_DIM + SMEM_PAD)
 
+#include "flash_params.cuh"
+
+// How a kernel is launched, stated once, next to the kernel: threads a
+// block, rows or keys a block (the unit its grid counts), and bytes of
+// dynamic shared memory (from the kernel's own shared-memory layout).  The
+// launch code reads these constants from the cubin
+// (pycudaflash.compiler.kernel_shape).
+#define LAUNCH_SHAPE(kernel, threads, tile, smem_bytes)        \
+    extern "C" __constant__ int kernel##_threads = (threads);  \
+    extern "C" __constant__ int kernel##_tile = (tile);        \
+    extern "C" __constant__ int kernel##_smem_bytes = (int)(smem_bytes)
+
+// Threads a block of the grid-stride kernels (mask conversion, group sums).
+#define GRID_STRIDE_THREADS 256
+
 // ---------------------------------------------------------------- 3xTF32 mma
 
 __device__ __forceinline__ void split_tf32(float x, u32 &hi, u32 &lo) {
@@ -189,18 +204,20 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix (row stride `stride` floats, `nrows` rows, `ncols` = D valid
-// columns) into smem[ROWS][LD_HEAD]; everything outside is zero-filled.
-// vec: 16-byte copies (D % 4 == 0, 16-byte aligned base and stride).
-template <int ROWS, int NTHREADS>
+// global matrix (row stride `stride` floats, rows [row_lo, nrows) and `ncols`
+// = D columns valid) into smem[ROWS][LD_HEAD]; everything outside is
+// zero-filled.  vec: 16-byte copies (D % 4 == 0, 16-byte aligned base and
+// stride).
+template <int ROWS, int NTHREADS, bool SWZ = false>
 __device__ __forceinline__ void load_tile(float *smem, const float *gmem, i64 stride, int row0, int nrows, int ncols,
-                                          bool vec, int tid) {
+                                          bool vec, int tid, int row_lo = 0) {
+    static_assert(!SWZ, "float32 tiles are row-major");
     if (vec) {
         constexpr int CHUNKS = HEAD_DIM / 4;
 #pragma unroll 4
         for (int c = tid; c < ROWS * CHUNKS; c += NTHREADS) {
             const int r = c / CHUNKS, col = 4 * (c % CHUNKS);
-            const bool ok = (row0 + r < nrows) && (col < ncols);
+            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
             const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
             cp_async16(smem + r * LD_HEAD + col, src, ok);
         }
@@ -208,7 +225,7 @@ __device__ __forceinline__ void load_tile(float *smem, const float *gmem, i64 st
 #pragma unroll 4
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
             const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r < nrows) && (col < ncols);
+            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
             const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
             cp_async4(smem + r * LD_HEAD + col, src, ok);
         }
@@ -249,14 +266,24 @@ struct TileRange {
     int begin, end;
 };
 
-// Key tiles (of bc keys) that any of the query rows [q0, q0 + rows) may see
-// under the band (band_lo, band_hi), key length kl and nq rows.
-__device__ __forceinline__ TileRange key_tiles(int q0, int rows, int nq, int kl, int band_lo, int band_hi, int bc) {
+// Keys [lo, hi) that any of the query rows [q0, q0 + rows) may see under
+// the band (band_lo, band_hi), key length kl and nq rows (hi <= lo: none).
+struct KeyRange {
+    int lo, hi;
+};
+__device__ __forceinline__ KeyRange seen_keys(int q0, int rows, int nq, int kl, int band_lo, int band_hi) {
     const int q_last = min(q0 + rows, nq) - 1;
-    const int j_begin = max(0, q0 + band_lo);
-    const int j_end = min(kl, q_last + band_hi + 1);
-    const int begin = j_begin / bc;
-    return {begin, (j_end > j_begin) ? (j_end + bc - 1) / bc : begin};
+    return {max(0, q0 + band_lo), min(kl, q_last + band_hi + 1)};
+}
+
+// Key tiles (of bc keys) that any of the query rows [q0, q0 + rows) may see.
+// The K and V loads zero-fill the keys of those tiles outside seen_keys, so
+// that a NaN or Inf stored in a key no row may see never meets a zero
+// probability in a product.
+__device__ __forceinline__ TileRange key_tiles(int q0, int rows, int nq, int kl, int band_lo, int band_hi, int bc) {
+    const KeyRange kr = seen_keys(q0, rows, nq, kl, band_lo, band_hi);
+    const int begin = kr.lo / bc;
+    return {begin, (kr.hi > kr.lo) ? (kr.hi + bc - 1) / bc : begin};
 }
 
 // Query tiles (of br rows) with a row that may see any of the keys [k0, k0 + cols).

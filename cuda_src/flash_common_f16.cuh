@@ -195,14 +195,14 @@ __device__ __forceinline__ int swz(int r, int c) {
 constexpr bool SWIZZLED = true;  // (load_tile's layout argument)
 
 // Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix (row stride `stride` elements, `nrows` rows, `ncols` = D
-// valid columns) into a shared tile, row-major [ROWS][LDH] or (SWZ)
-// swizzled; everything outside is zero-filled.  vec: 16-byte cp.async
+// global matrix (row stride `stride` elements, rows [row_lo, nrows) and
+// `ncols` = D columns valid) into a shared tile, row-major [ROWS][LDH] or
+// (SWZ) swizzled; everything outside is zero-filled.  vec: 16-byte cp.async
 // (D % 8 == 0, 16-byte aligned base and row stride); otherwise element-wise
 // loads and stores (visible after the next barrier).
 template <int ROWS, int NTHREADS, bool SWZ = false>
 __device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows, int ncols,
-                                          bool vec, int tid) {
+                                          bool vec, int tid, int row_lo = 0) {
     if (vec) {
         constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
         constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 
             const int c = tid + it * NTHREADS;
             if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
                 const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
-                const bool ok = (row0 + r < nrows) && (col < ncols);
+                const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
                 const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
                 cp_async16((float *)(smem + (SWZ ? swz<ROWS>(r, col) : r * LDH + col)), (const float *)src, ok);
             }
@@ -220,7 +220,7 @@ __device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 
         const elem_t zero = from_float(0.f);
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
             const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r < nrows) && (col < ncols);
+            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
             smem[SWZ ? swz<ROWS>(r, col) : r * LDH + col] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
         }
     }
@@ -254,13 +254,15 @@ __device__ __forceinline__ void store_pair_scaled(elem_t *row, int d, int D, flo
 // A dense float mask stored in elem_t, converted to the float32 the kernels
 // read: dst is contiguous with shape (n0, n1, n2, n3), src has element
 // strides s0..s3 (0 on broadcast dimensions).
-extern "C" __global__ void __launch_bounds__(256)
-flash_convert_mask(const elem_t *__restrict__ src, float *__restrict__ dst, i64 n1, i64 n2, i64 n3, i64 s0,
-                   i64 s1, i64 s2, i64 s3, i64 total) {
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const i64 i3 = idx % n3, r3 = idx / n3;
-        const i64 i2 = r3 % n2, r2 = r3 / n2;
-        const i64 i1 = r2 % n1, i0 = r2 / n1;
-        dst[idx] = to_float(src[i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3]);
+LAUNCH_SHAPE(flash_convert_mask, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
+flash_convert_mask(const elem_t *__restrict__ mask_src, float *__restrict__ mask,
+                   const __grid_constant__ AttnParams args) {
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < args.mask_total; idx += step) {
+        const i64 i3 = idx % args.mask_n3, r3 = idx / args.mask_n3;
+        const i64 i2 = r3 % args.mask_n2, r2 = r3 / args.mask_n2;
+        const i64 i1 = r2 % args.mask_n1, i0 = r2 / args.mask_n1;
+        mask[idx] = to_float(mask_src[i0 * args.src_sb + i1 * args.src_sh + i2 * args.src_sq + i3 * args.src_sk]);
     }
 }

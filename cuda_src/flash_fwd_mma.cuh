@@ -53,13 +53,13 @@
 
 static_assert(BC % 16 == 0, "key tile is a whole number of 16-wide k steps");
 
+// Shared memory: Qi [BR][LDH], Kj and Vj [BC][LDH].
+LAUNCH_SHAPE(flash_fwd_kernel, FWD_THREADS, BR, (BR + 2 * BC) * LDH * sizeof(elem_t));
+
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MIN_BLOCKS)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
-                 const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
-                 i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                 i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
-                 int band_lo, int band_hi, int vec, int kv_group) {
+                 const int *__restrict__ key_lengths, int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [BR][LDH]
     elem_t *Kj = Qi + BR * LDH;                         // [BC][LDH]
@@ -72,16 +72,18 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
 
     const MaskParams mp =
-        mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, b, Nk), Nq);
+        mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi,
+                    key_length(key_lengths, b, Nk), Nq);
     const char *mask_bh = mask_head_base(mp, b, h);
 
-    const elem_t *Qg = Q + (i64)b * q_sb + (i64)h * q_sh;
-    const int hk = kv_head(h, kv_group);  // the K/V head this query head reads
-    const elem_t *Kg = K + (i64)b * k_sb + (i64)hk * k_sh;
-    const elem_t *Vg = V + (i64)b * v_sb + (i64)hk * v_sh;
+    const elem_t *Qg = Q + (i64)b * args.q_sb + (i64)h * args.q_sh;
+    const int hk = kv_head(h, args.kv_group);  // the K/V head this query head reads
+    const elem_t *Kg = K + (i64)b * args.k_sb + (i64)hk * args.k_sh;
+    const elem_t *Vg = V + (i64)b * args.v_sb + (i64)hk * args.v_sh;
 
     // Keys any row of this tile may see.
-    const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, band_lo, band_hi, BC);
+    const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi, BC);
+    const KeyRange kr = seen_keys(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
     const int tc_begin = kt.begin, tc_end = kt.end;
 
     float o_acc[FWD_MT][O_TILES][4];
@@ -100,8 +102,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 
     if (tc_begin < tc_end) {
         // Load Qi and the first Kj.
-        load_tile<BR, FWD_THREADS>(Qi, Qg, q_sn, q0, Nq, D, vec, tid);
-        load_tile<BC, FWD_THREADS>(Kj, Kg, k_sn, tc_begin * BC, Nk, D, vec, tid);
+        load_tile<BR, FWD_THREADS>(Qi, Qg, args.q_sn, q0, Nq, D, args.vec, tid);
+        load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_begin * BC, kr.hi, D, args.vec, tid, kr.lo);
         cp_async_commit();
     }
 
@@ -111,7 +113,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // Qi and Kj have landed for every thread; every warp is also done with
         // the previous Vj, so it may be overwritten now.
         __syncthreads();
-        load_tile<BC, FWD_THREADS>(Vj, Vg, v_sn, k0, Nk, D, vec, tid);
+        load_tile<BC, FWD_THREADS>(Vj, Vg, args.v_sn, k0, kr.hi, D, args.vec, tid, kr.lo);
         cp_async_commit();
 
         // Sij = Qi Kj^T (16 x BC per row block; zero-filled head-dim columns
@@ -166,8 +168,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                 for (int e = 0; e < 4; ++e) {
                     const int i = q0 + row_w + 16 * mt + g + 8 * (e >> 1);
                     const int j = k0 + 8 * n + 2 * t + (e & 1);
-                    s[mt][n][e] = need_mask ? masked_score(s[mt][n][e], scale_log2, mp, mask_bh, i, j)
-                                            : s[mt][n][e] * scale_log2;
+                    s[mt][n][e] = need_mask ? masked_score(s[mt][n][e], args.scale_log2, mp, mask_bh, i, j)
+                                            : s[mt][n][e] * args.scale_log2;
                 }
 
         // Online softmax: new row max mi, rescale factor, Pij = exp2(Sij - mi).
@@ -204,7 +206,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // Vj has landed; every warp is also done reading Kj.
         __syncthreads();
         if (tc + 1 < tc_end) {
-            load_tile<BC, FWD_THREADS>(Kj, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
+            load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, k0 + BC, kr.hi, D, args.vec, tid, kr.lo);
             cp_async_commit();
         }
 
@@ -230,11 +232,12 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     }
 
     // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
-    elem_t *Og = O + (i64)b * o_sb + (i64)h * o_sh;
+    elem_t *Og = O + (i64)b * args.o_sb + (i64)h * args.o_sh;
 #pragma unroll
     for (int mt = 0; mt < FWD_MT; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            store_out_row<O_TILES>(Og, o_sn, LSE, b, h, l_sb, l_sh, l_sn, q0 + row_w + 16 * mt + g, r, Nq, D, t,
-                                   m_i[mt][r], l_i[mt][r], vec, [&](int n, int e) { return o_acc[mt][n][2 * r + e]; });
+            store_out_row<O_TILES>(Og, args.o_sn, LSE, b, h, args.l_sb, args.l_sh, args.l_sn, q0 + row_w + 16 * mt + g,
+                                   r, Nq, D, t, m_i[mt][r], l_i[mt][r], args.vec,
+                                   [&](int n, int e) { return o_acc[mt][n][2 * r + e]; });
 }

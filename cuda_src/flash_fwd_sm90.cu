@@ -184,14 +184,15 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
 // is about to run it; the last block to finish sets both ints back to
 // zero.  A block with a next job loads that job's Qi, K0, V0 and K1 under
 // its current job's last Pij Vj and output.
+// Shared memory: Qi, then Kj and Vj in two stages each, in whole swizzle
+// blocks of the head dim, and the slack that aligns them to the swizzle period.
+LAUNCH_SHAPE(flash_fwd_kernel, FWD_THREADS, BR, (BR + 4 * BC) * HDP * sizeof(elem_t) + SMEM_ALIGN);
+
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
-                 const int *__restrict__ key_lengths, int Nq, int Nk, int D, i64 q_sb, i64 q_sh, i64 q_sn,
-                 i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn, i64 o_sb, i64 o_sh, i64 o_sn,
-                 i64 l_sb, i64 l_sh, i64 l_sn, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float scale_log2,
-                 int band_lo, int band_hi, int vec, int H, int n_jobs, int group_shift,
-                 int *__restrict__ sched, int kv_group) {
+                 const int *__restrict__ key_lengths, int *__restrict__ sched, int Nq, int Nk, int D,
+                 const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int next_job[2];  // a block's next job, alternate jobs in alternate slots
     unsigned char *smem = swizzle_base(smem_raw);
@@ -204,7 +205,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int g = lane >> 2, t = lane & 3;
     const int n_qt = (Nq + BR - 1) / BR;
 
-    MaskParams mp = mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, Nk, Nq);  // (kl: per job)
+    // (kl: per job)
+    MaskParams mp = mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi, Nk, Nq);
 
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
@@ -215,13 +217,16 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // A job's first loads, as two groups: Qi and K0; V0 and K1.  K and V
     // tile j of the job go to stage (sb + j) % 2.
     auto load_first = [&](const elem_t *Qg, const elem_t *Kg, const elem_t *Vg, const FwdJob &jb, int sb) {
-        load_tile<BR, FWD_THREADS, SWIZZLED>(Qi, Qg, q_sn, jb.q0, Nq, D, vec, tid);
-        load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + sb * BC * HDP, Kg, k_sn, jb.tc_begin * BC, Nk, D, vec, tid);
+        const KeyRange kr = seen_keys(jb.q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
+        load_tile<BR, FWD_THREADS, SWIZZLED>(Qi, Qg, args.q_sn, jb.q0, Nq, D, args.vec, tid);
+        load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + sb * BC * HDP, Kg, args.k_sn, jb.tc_begin * BC, kr.hi, D, args.vec,
+                                             tid, kr.lo);
         cp_async_commit();
-        load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + sb * BC * HDP, Vg, v_sn, jb.tc_begin * BC, Nk, D, vec, tid);
+        load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + sb * BC * HDP, Vg, args.v_sn, jb.tc_begin * BC, kr.hi, D, args.vec,
+                                             tid, kr.lo);
         if (jb.n_tiles > 1)
-            load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (sb ^ 1) * BC * HDP, Kg, k_sn, (jb.tc_begin + 1) * BC, Nk, D, vec,
-                                           tid);
+            load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (sb ^ 1) * BC * HDP, Kg, args.k_sn, (jb.tc_begin + 1) * BC,
+                                                 kr.hi, D, args.vec, tid, kr.lo);
         cp_async_commit();
     };
 
@@ -229,12 +234,12 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     int sb = 0;           // stage of this job's first K and V tile
     int job = FWD_PERSIST ? blockIdx.x : 0;
 #if FWD_PERSIST
-    for (int round = 0; job < n_jobs; ++round)
+    for (int round = 0; job < args.n_jobs; ++round)
 #else
     const int round = 0;
 #endif
     {
-        const FwdJob jb = fwd_job(job, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi, group_shift);
+        const FwdJob jb = fwd_job(job, n_qt, args.H, Nq, Nk, key_lengths, args.band_lo, args.band_hi, args.group_shift);
         // The next job's claim: thread 0 sends it in the job's last key step
         // (here for a job of one step or none) and stores the answer into
         // next_job just before the barrier that publishes it, so that the
@@ -243,11 +248,12 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         if (FWD_PERSIST && tid == 0 && jb.n_tiles <= 1) claim = atomicAdd(sched, 1);
         mp.kl = jb.kl;
         const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
-        const elem_t *Qg = Q + (i64)jb.b * q_sb + (i64)jb.h * q_sh;
-        const int hk = kv_head(jb.h, kv_group);  // the K/V head this job reads
-        const elem_t *Kg = K + (i64)jb.b * k_sb + (i64)hk * k_sh;
-        const elem_t *Vg = V + (i64)jb.b * v_sb + (i64)hk * v_sh;
+        const elem_t *Qg = Q + (i64)jb.b * args.q_sb + (i64)jb.h * args.q_sh;
+        const int hk = kv_head(jb.h, args.kv_group);  // the K/V head this job reads
+        const elem_t *Kg = K + (i64)jb.b * args.k_sb + (i64)hk * args.k_sh;
+        const elem_t *Vg = V + (i64)jb.b * args.v_sb + (i64)hk * args.v_sh;
         const int q0 = jb.q0, tc_begin = jb.tc_begin, n_tiles = jb.n_tiles;
+        const KeyRange kr = seen_keys(q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
 
         float o_acc[O_REGS];
 #pragma unroll
@@ -272,7 +278,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             wgmma_wait<0>();
             wgmma_hold(s);
             float alpha[2];  // (Oi is still 0: nothing to rescale)
-            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), scale_log2, mp,
+            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), args.scale_log2, mp,
                          mask_bh, q0 + row_w + g, tc_begin * BC + 2 * t);
             pack_frags(p, s);
         }
@@ -287,8 +293,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             __syncthreads();
             if (FWD_PERSIST && tid == 0 && j == n_tiles - 1) claim = atomicAdd(sched, 1);
             if (j + 1 < n_tiles)
-                load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (st ^ 1) * BC * HDP, Kg, k_sn, k0 + BC, Nk, D, vec, tid);
-            load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + st * BC * HDP, Vg, v_sn, k0, Nk, D, vec, tid);
+                load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (st ^ 1) * BC * HDP, Kg, args.k_sn, k0 + BC, kr.hi, D,
+                                                     args.vec, tid, kr.lo);
+            load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + st * BC * HDP, Vg, args.v_sn, k0, kr.hi, D, args.vec, tid, kr.lo);
             cp_async_commit();
 
             wgmma_fence();
@@ -304,7 +311,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #endif
             wgmma_hold(s);
             float alpha[2];
-            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), scale_log2, mp, mask_bh,
+            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), args.scale_log2, mp, mask_bh,
                          q0 + row_w + g, k0 + 2 * t);
             wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
             wgmma_hold(o_acc);
@@ -313,7 +320,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             pack_frags(p, s);
         }
         // The next job (none without FWD_PERSIST: one job per block).
-        int next = n_jobs;
+        int next = args.n_jobs;
         if (FWD_PERSIST && tid == 0) next_job[round & 1] = (int)gridDim.x + claim;
         if (n_tiles > 0) {
             cp_async_wait<0>();  // this thread's last V has landed
@@ -327,13 +334,15 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #if FWD_PERSIST
             sb = last ^ 1;
             loaded = false;
-            if (next < n_jobs) {
-                const FwdJob nb = fwd_job(next, n_qt, H, Nq, Nk, key_lengths, band_lo, band_hi, group_shift);
+            if (next < args.n_jobs) {
+                const FwdJob nb = fwd_job(next, n_qt, args.H, Nq, Nk, key_lengths, args.band_lo, args.band_hi,
+                                          args.group_shift);
                 loaded = nb.n_tiles > 0;
                 if (loaded) {  // under the last product and the output
-                    const int nk = kv_head(nb.h, kv_group);
-                    load_first(Q + (i64)nb.b * q_sb + (i64)nb.h * q_sh, K + (i64)nb.b * k_sb + (i64)nk * k_sh,
-                               V + (i64)nb.b * v_sb + (i64)nk * v_sh, nb, sb);
+                    const int nk = kv_head(nb.h, args.kv_group);
+                    load_first(Q + (i64)nb.b * args.q_sb + (i64)nb.h * args.q_sh,
+                               K + (i64)nb.b * args.k_sb + (i64)nk * args.k_sh,
+                               V + (i64)nb.b * args.v_sb + (i64)nk * args.v_sh, nb, sb);
                 }
             }
 #endif
@@ -353,11 +362,12 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         }
 
         // Finish: li over the 4 lanes of a row, Oi /= li, Li = mi*ln2 + log(li).
-        elem_t *Og = O + (i64)jb.b * o_sb + (i64)jb.h * o_sh;
+        elem_t *Og = O + (i64)jb.b * args.o_sb + (i64)jb.h * args.o_sh;
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            store_out_row<HEAD_DIM / 8>(Og, o_sn, LSE, jb.b, jb.h, l_sb, l_sh, l_sn, q0 + row_w + g, r, Nq, D, t,
-                                        m_i[r], l_i[r], vec, [&](int n, int e) { return o_acc[4 * n + 2 * r + e]; });
+            store_out_row<HEAD_DIM / 8>(Og, args.o_sn, LSE, jb.b, jb.h, args.l_sb, args.l_sh, args.l_sn,
+                                        q0 + row_w + g, r, Nq, D, t, m_i[r], l_i[r], args.vec,
+                                        [&](int n, int e) { return o_acc[4 * n + 2 * r + e]; });
         job = next;
     }
 

@@ -198,6 +198,7 @@ class Module:
     """A cubin loaded into the current context, and its kernels."""
 
     def __init__(self, image: bytes) -> None:
+        self.image = image
         self.handle = check("cuModuleLoadData", image)
         self._functions: Dict[str, Any] = {}
 

@@ -8,8 +8,11 @@ This module is the only place that knows how a kernel variant is built:
   bucket, mask mode, dtype, tile sizes: :func:`defines`) and the layout
   constants every variant shares (:data:`LAYOUT`); the kernels define none
   of these themselves (``#error`` where one is missing);
-* the launch code packs each kernel's parameters by the types in its
-  signature (:func:`parameter_format`);
+* a kernel takes its arrays as ``__restrict__`` pointers, then at most the
+  sizes Nq, Nk, D, then one struct of ``cuda_src/flash_params.cuh``; the
+  launch code fills all of them by the names and C layout read from the
+  source (:func:`kernel_params`), and launches it by the shape (threads,
+  tile, shared memory) the kernel states in its cubin (:func:`kernel_shape`);
 * its source is the pass's ``.cu`` file with the ``cuda_src/`` headers it
   includes inlined (:func:`source`), so that PyCUDA's disk cache,
   keyed on the text, notices an edit in any of them;
@@ -64,15 +67,7 @@ TILES_ENV = "PYCUDAFLASH_TILES"
 TUNING_ENV = (HOPPER_ENV, TILES_ENV)
 #: Passes that have a Hopper version.
 HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
-WG_ROWS = 64  # rows of one warpgroup's tile (wgmma's M): queries in the forward, keys in the backward
-WG_THREADS = 128
-
-
-def bwd90_block(defs: Dict[str, int]) -> Tuple[int, int]:
-    """(keys, threads) of one block of a Hopper backward variant: 64 keys per
-    warpgroup up to head dim 128, 64 keys (split by columns) above."""
-    wgs = defs["B90_WGS"]
-    return (WG_ROWS * wgs if defs["HEAD_DIM"] <= 128 else WG_ROWS), WG_THREADS * wgs
+WG_THREADS = 128  # threads of a warpgroup
 
 
 def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
@@ -173,17 +168,17 @@ def head_dim_bucket(d: int, dtype: str = "float32") -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """Tile sizes of one head-dim bucket (rows of Q / keys of K per block).
+    """Tile sizes of one head-dim bucket (rows of Q / keys of K per block), handed to the kernels as
+    defines (:func:`defines`); what follows from them (a block's rows, threads, shared memory) the
+    kernels state themselves (:func:`kernel_shape`).
 
-    ``fwd_warps`` warps of ``fwd_mt`` 16-row blocks each make the forward's
-    ``fwd_br`` (fixed at 4 x 1 for float32).
+    The forward's query rows are ``fwd_warps`` warps of ``fwd_mt`` 16-row blocks each (fixed at
+    4 x 1 for float32).
     """
 
-    fwd_br: int
     fwd_bc: int
     bwd_br: int
     bwd_bc: int
-    dq_br: int
     dq_bc: int
     fwd_warps: int = FWD_WARPS
     fwd_mt: int = 1
@@ -234,7 +229,6 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             fwd_bc=64 if head_dim <= 128 else 32,
             bwd_br=64 if head_dim <= 96 else 32,
             bwd_bc=64 if big else 128,
-            dq_br=16 * DQ_WARPS,
             dq_bc=16 if big else 32,
         )
     elif half:
@@ -248,7 +242,6 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             fwd_bc=64 if head_dim <= 64 else 32,
             bwd_br=128 if head_dim <= 64 else (32 if head_dim > 192 else 64),
             bwd_bc=64 if big else 128,
-            dq_br=16 * DQ_WARPS,
             dq_bc=32 if big else 64,
             fwd90_bc=64 if head_dim <= 64 else (128 if head_dim <= 128 else 64),
             fwd90_wgs=2,
@@ -266,13 +259,11 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             # (before sm_90, 64 query rows at head dim 128 would not fit 163 KB)
             bwd_br=32 if (big or small or lean) else 64,
             bwd_bc=32 if big else 64,
-            dq_br=16 * DQ_WARPS,
             dq_bc=(16 if lean else 32) if big else 64,
         )
     sizes.update(_parse_tile_spec(spec).get(("h" if half else "") + str(head_dim), {}))
     if not half and (sizes.get("fwd_warps", FWD_WARPS) != FWD_WARPS or sizes.get("fwd_mt", 1) != 1):
         raise ValueError("PYCUDAFLASH_TILES: the float32 forward has fixed warps")
-    sizes["fwd_br"] = 16 * sizes.get("fwd_warps", FWD_WARPS) * sizes.get("fwd_mt", 1)
     return Tiles(**sizes)
 
 
@@ -283,8 +274,8 @@ def _parse_tile_spec(spec: str) -> Dict[str, Dict[str, int]]:
         hd, _, items = part.partition(":")
         for item in filter(None, (i.strip() for i in items.split(","))):
             key, _, val = item.partition("=")
-            if key not in Tiles.__dataclass_fields__ or key in ("fwd_br", "dq_br"):
-                raise ValueError(f"PYCUDAFLASH_TILES: unknown or fixed tile size {key!r}")
+            if key not in Tiles.__dataclass_fields__:
+                raise ValueError(f"PYCUDAFLASH_TILES: unknown tile size {key!r}")
             out.setdefault(hd.strip(), {})[key] = int(val)
     return out
 
@@ -326,47 +317,25 @@ def cubin_constant(image: bytes, name: str) -> int:
     raise KeyError(f"no symbol {name!r} in the image")
 
 
-def smem_bytes(kernel: str, head_dim: int, dtype: str = "float32", arch: Optional[str] = None,
-               pass_: Optional[str] = None, defs: Optional[Dict[str, int]] = None) -> int:
-    """Dynamic shared memory of a kernel, mirroring the layout in its .cu file.
+@dataclass(frozen=True)
+class KernelShape:
+    """How a kernel is launched, as its source states it (``LAUNCH_SHAPE`` in ``flash_common.cuh``):
+    ``threads`` a block, ``tile`` rows or keys a block (the unit of its grid), ``smem`` bytes of
+    dynamic shared memory."""
 
-    ``defs`` (the variant's defines) matter where a tile depends on more than
-    the head dim (the Hopper forward's key tile also on the mask kind).
-    """
-    t = tiles(head_dim, dtype, arch)
-    hdp = -(-head_dim // SWZ_COLS) * SWZ_COLS  # head dim as the swizzled Hopper tiles store it
-    if pass_ == "fwd_sm90":
-        if kernel != "flash_fwd_kernel":
-            return 0
-        defs = defs or defines(pass_, head_dim, "none", dtype, arch)
-        return (WG_ROWS * defs["FWD_WGS"] + 4 * defs["BC"]) * hdp * HALF_BYTES + SMEM_ALIGN
-    if pass_ == "bwd_sm90" and kernel == "flash_bwd_dkdv_kernel":
-        defs = defs or defines(pass_, head_dim, "none", dtype, arch)
-        br, bc = defs["B90_BR"], bwd90_block(defs)[0]
-        # Kj, Vj; Qi, dOi x 2 stages; dSij^T (or Pij and dSij above 128); Li, Di x 2 stages.
-        tiles_ps = 1 if head_dim <= 128 else 2
-        return (((2 * bc + 4 * br) * hdp + tiles_ps * bc * br) * HALF_BYTES + 4 * br * FLOAT_BYTES
-                + SMEM_ALIGN)
-    if dtype != "float32":
-        ld = head_dim + SMEM_PAD_H
-        if kernel == "flash_fwd_kernel":
-            return (t.fwd_br + 2 * t.fwd_bc) * ld * HALF_BYTES
-        if kernel == "flash_bwd_dkdv_kernel":
-            return ((2 * t.bwd_bc + 4 * t.bwd_br) * ld + 2 * t.bwd_br * (t.bwd_bc + SMEM_PAD_H)) * HALF_BYTES \
-                + 2 * t.bwd_br * FLOAT_BYTES
-        if kernel == "flash_bwd_dq_kernel":
-            return (2 * t.dq_br + 2 * t.dq_bc) * ld * HALF_BYTES
-        return 0
-    ld = head_dim + SMEM_PAD
-    if kernel == "flash_fwd_kernel":
-        floats = (t.fwd_br + 2 * t.fwd_bc) * ld
-    elif kernel == "flash_bwd_dkdv_kernel":
-        floats = (2 * t.bwd_bc + 2 * t.bwd_br) * ld + 2 * t.bwd_br * (t.bwd_bc + SMEM_PAD) + 2 * t.bwd_br
-    elif kernel == "flash_bwd_dq_kernel":
-        floats = (2 * t.dq_br + 2 * t.dq_bc) * ld
-    else:
-        floats = 0
-    return floats * FLOAT_BYTES
+    threads: int
+    tile: int
+    smem: int
+
+
+def shape_from_cubin(image: bytes, kernel: str) -> KernelShape:
+    """The :class:`KernelShape` of ``kernel`` read from a cubin."""
+    return KernelShape(*(cubin_constant(image, f"{kernel}_{what}") for what in ("threads", "tile", "smem_bytes")))
+
+
+def kernel_shape(pass_: str, defs: Dict[str, int], kernel: str) -> KernelShape:
+    """The :class:`KernelShape` of ``kernel`` in a variant (its module in the current context)."""
+    return shape_from_cubin(get_module(pass_, defs).image, kernel)
 
 
 def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
@@ -472,38 +441,6 @@ def _flatten(name: str, kdir: Path, seen: set) -> List[str]:
     return out
 
 
-#: Kernel parameter types and the format code :class:`pycudaflash.cuda_backend._Kernel` packs
-#: them by: a pointer, a 32-bit int, a 64-bit int, a float.
-_PARAM_CODES = (("*", "P"), ("i64", "q"), ("long long", "q"), ("int", "i"), ("float", "f"))
-
-
-@functools.lru_cache(maxsize=None)
-def parameter_format(pass_: str, kernel: str) -> str:
-    """The packing format of ``kernel``'s parameters in pass ``pass_``, read from its signature
-    in the source (one code a parameter, see ``_PARAM_CODES``), so that the launch code and the
-    kernel cannot disagree.  A kernel defined more than once (one definition per ``#if``
-    branch) must have the same parameter types in each.
-    """
-    text = re.sub(r"//[^\n]*", "", source(pass_))
-    formats = set()
-    for m in re.finditer(r'extern\s+"C"\s+__global__[^;{]*?\b' + re.escape(kernel) + r"\s*\(", text):
-        depth, i = 1, m.end()
-        while depth:
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            i += 1
-        params = [p.strip() for p in text[m.end():i - 1].split(",") if p.strip()]
-        codes = []
-        for p in params:
-            code = next((c for key, c in _PARAM_CODES if key in p), None)
-            if code is None:
-                raise ValueError(f"{pass_}/{kernel}: no packing code for parameter {p!r}")
-            codes.append(code)
-        formats.add("".join(codes))
-    if len(formats) != 1:
-        raise ValueError(f"{pass_}/{kernel}: {len(formats)} distinct signatures found in the source")
-    return formats.pop()
-
-
 #: C types of the fields of a parameter struct and of a kernel's scalar parameters, with the
 #: ctypes type that lays them out as the C compilers do.
 FIELD_TYPES: Dict[str, Any] = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "int": ctypes.c_int32,
@@ -547,7 +484,9 @@ class KernelParams:
 
 
 def _strip_comments(text: str) -> str:
-    return re.sub(r"/\*.*?\*/", " ", re.sub(r"//[^\n]*", "", text), flags=re.S)
+    """``text`` without comments, its continued lines (backslash-newline) joined."""
+    text = re.sub(r"/\*.*?\*/", " ", re.sub(r"//[^\n]*", "", text), flags=re.S)
+    return text.replace("\\\n", " ")
 
 
 def _declared_type(text: str, where: str) -> str:
@@ -815,6 +754,7 @@ class OfflineResult:
     registers: Dict[str, int]
     spills: Dict[str, Tuple[int, int]]  # kernel -> (spill stores, spill loads) bytes
     stack: Dict[str, int]
+    image: bytes = b""  # the cubin (empty where nvcc failed)
 
 
 _FUNC_RE = re.compile(r"Compiling entry function '(\w+)'")
@@ -856,9 +796,10 @@ def compile_offline(pass_: str, defs: Dict[str, int], arch: str, nvcc: str = "nv
         cmd = [nvcc, "--cubin", *options(defs), "-arch", arch, "-Xptxas", "-v", str(cu), "-o",
                str(Path(tmp) / "kernel.cubin")]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        image = (Path(tmp) / "kernel.cubin").read_bytes() if proc.returncode == 0 else b""
     log = proc.stdout + proc.stderr
     regs, spills, stack = parse_ptxas(log)
-    return OfflineResult(pass_, dict(defs), arch, proc.returncode == 0, log, regs, spills, stack)
+    return OfflineResult(pass_, dict(defs), arch, proc.returncode == 0, log, regs, spills, stack, image)
 
 
 def warm_cache(arch: Optional[str] = None, jobs: int = 8, variants=None,

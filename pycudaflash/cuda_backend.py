@@ -176,39 +176,74 @@ class _Pointers:
             a[slot] = vals[src] + offset
 
 
+#: Packing code (:func:`_bits`) of each C type a kernel's scalar parameters may have.
+_SCALAR_CODES = {"i64": "q", "long long": "q", "int": "i", "u32": "i", "unsigned": "i", "float": "f"}
+
+
 class _Kernel:
     """One kernel launch with its parameters packed once.
 
-    Each parameter has an 8-byte slot; the driver copies each parameter's
-    own size from its slot.  Pointer parameters given as :class:`_Ref` point
-    into the plan's :class:`_Pointers` instead, written by each call;
-    everything else is fixed.  ``launch(stream)`` launches it.
+    ``params`` (:func:`pycudaflash.compiler.kernel_params`) names what the
+    kernel takes: ``args`` gives each pointer and scalar parameter by name; the
+    last parameter is the plan's struct ``struct``.  Each parameter has an
+    8-byte slot (the driver copies each parameter's own size from its
+    address); pointers given as :class:`_Ref` point into the plan's
+    :class:`_Pointers` instead, written by each call, and the struct is passed
+    from its own memory.  ``launch(stream)`` launches it.
     """
 
-    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs", "pointers", "launch")
+    __slots__ = ("name", "fn", "grid", "block", "smem", "slots", "addrs", "addr", "refs", "pointers", "struct",
+                 "launch")
 
     def __init__(self, name: str, fn: Any, grid: Tuple[int, int, int], threads: int, smem: int,
-                 fmt: str, args: Sequence[Any], pointers: _Pointers) -> None:
-        if len(fmt) != len(args):
-            raise ValueError(f"{name}: {len(args)} arguments for a format of {len(fmt)}")
-        n = len(args)
+                 params: "compiler.KernelParams", args: Dict[str, Any], pointers: _Pointers, struct: Any) -> None:
+        names = params.pointers + tuple(n for n, _ in params.scalars)
+        missing = [n for n in names if n not in args]
+        unknown = [n for n in args if n not in names]
+        if missing or unknown:
+            raise ValueError(f"{name}: no value for parameters {missing}; {unknown} are no parameters of it")
+        if type(struct).__name__ != params.struct.name or ctypes.sizeof(struct) != params.struct.size:
+            raise ValueError(f"{name} takes struct {params.struct.name}, not {type(struct).__name__}")
+        n = len(names) + 1
         self.name, self.fn, self.grid, self.block, self.smem = name, int(fn), grid, (threads, 1, 1), smem
         self.slots = (ctypes.c_uint64 * n)()
         base = ctypes.addressof(self.slots)
         self.addrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
         self.addr = ctypes.addressof(self.addrs)
         refs = []
-        for i, (code, arg) in enumerate(zip(fmt, args)):
+        for i, pname in enumerate(params.pointers):
+            arg = args[pname]
             if isinstance(arg, _Ref):
-                if code != "P":
-                    raise ValueError(f"{name}: parameter {i} is a pointer reference but its format is {code!r}")
                 refs.append((i, arg.src, arg.offset))
                 self.addrs[i] = pointers.address(arg)
             else:
-                self.slots[i] = _bits(code, arg)
+                self.slots[i] = _bits("P", arg)
+        for i, (sname, ctype) in enumerate(params.scalars, len(params.pointers)):
+            if isinstance(args[sname], _Ref):
+                raise ValueError(f"{name}: scalar parameter {sname!r} given a pointer reference")
+            self.slots[i] = _bits(_SCALAR_CODES[ctype], args[sname])
+        self.addrs[n - 1] = ctypes.addressof(struct)
         self.refs = tuple(refs)
-        self.pointers = pointers  # (kept alive with the addresses into it)
+        self.pointers, self.struct = pointers, struct  # (kept alive with the addresses into them)
         self.launch = _driver.Launch(self.fn, self.grid, self.block, self.smem, self.addr)
+
+
+def _fill_struct(layout: "compiler.ParamStruct", fields: Dict[str, Any]) -> Any:
+    """A new struct of ``layout`` with ``fields`` set by name (the others 0)."""
+    struct = layout.ctype()
+    known = dict(layout.fields)
+    for name, value in fields.items():
+        ctype = known.get(name)
+        if ctype is None:
+            raise ValueError(f"struct {layout.name} has no field {name!r}")
+        if ctype == "float":
+            value = float(value)
+        elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"struct {layout.name} field {name!r} ({ctype}) given {value!r}")
+        setattr(struct, name, value)
+        if ctype != "float" and getattr(struct, name) != value:
+            raise ValueError(f"struct {layout.name} field {name!r} ({ctype}) cannot hold {value}")
+    return struct
 
 
 # ------------------------------------------------------- per-stream device state
@@ -272,44 +307,31 @@ class _Variant:
                  arch: str) -> None:
         self.pass_, self.defs, self.tiles = pass_, defs, tiles
         self.head_dim, self.dtype, self.arch = head_dim, dtype, arch
-        self._smem: Dict[str, int] = {}
+        self._shapes: Dict[str, "compiler.KernelShape"] = {}
         self._resident: Dict[str, int] = {}
 
-    def smem(self, kernel: str) -> int:
-        """Dynamic shared memory of ``kernel`` in this variant (bytes)."""
-        n = self._smem.get(kernel)
-        if n is None:
-            n = self._smem[kernel] = compiler.smem_bytes(kernel, self.head_dim, self.dtype, self.arch, self.pass_,
-                                                         self.defs)
-        return n
+    def shape(self, kernel: str) -> "compiler.KernelShape":
+        """Threads, tile and dynamic shared memory of ``kernel``, as its source states them."""
+        shape = self._shapes.get(kernel)
+        if shape is None:
+            shape = self._shapes[kernel] = compiler.kernel_shape(self.pass_, self.defs, kernel)
+        return shape
 
-    def backward_block(self) -> Tuple[int, int]:
-        """(keys, threads) of one block of the dK/dV kernel."""
-        if self.pass_ == "bwd_sm90":
-            return compiler.bwd90_block(self.defs)
-        return self.tiles.bwd_bc, 32 * compiler.BWD_WARPS
-
-    def forward_block(self) -> Tuple[int, int]:
-        """(query rows, threads) of one forward block."""
-        if self.pass_ == "fwd_sm90":
-            wgs = self.defs["FWD_WGS"]
-            return compiler.WG_ROWS * wgs, compiler.WG_THREADS * wgs
-        return self.tiles.fwd_br, 32 * self.tiles.fwd_warps
-
-    def resident_blocks(self, kernel: str, threads: int) -> int:
+    def resident_blocks(self, kernel: str) -> int:
         """Blocks of ``kernel`` one SM holds at once."""
         n = self._resident.get(kernel)
         if n is None:
-            n = self._resident[kernel] = compiler.resident_blocks(self.function(kernel), threads, self.smem(kernel))
+            shape = self.shape(kernel)
+            n = self._resident[kernel] = compiler.resident_blocks(self.function(kernel), shape.threads, shape.smem)
         return n
 
-    def format(self, kernel: str) -> str:
-        """Packing format of ``kernel``'s parameters, read from its signature."""
-        return compiler.parameter_format(self.pass_, kernel)
+    def params(self, kernel: str) -> "compiler.KernelParams":
+        """The parameters of ``kernel``, read from its signature."""
+        return compiler.kernel_params(self.pass_, kernel)
 
     def function(self, kernel: str):
-        """The kernel's CUfunction, its shared-memory limit raised to :meth:`smem`."""
-        return compiler.get_function(self.pass_, self.defs, kernel, self.smem(kernel))
+        """The kernel's CUfunction, its shared-memory limit raised to its shape's."""
+        return compiler.get_function(self.pass_, self.defs, kernel, self.shape(kernel).smem)
 
 
 _variants: Dict[Tuple, _Variant] = {}
@@ -378,7 +400,7 @@ def _vec_ok(strides: Sequence[Sequence[int]], D: int, itemsize: int, aligned: bo
     return int(all(s % per16 == 0 for st in strides for s in st))
 
 
-def _grid_stride_blocks(total: int, threads: int = 256) -> int:
+def _grid_stride_blocks(total: int, threads: int) -> int:
     """Blocks of a grid-stride kernel over ``total`` elements: one element a thread, at most 16
     blocks for each of an H100's 132 SMs (the kernel loops over the rest)."""
     return max(1, min(-(-total // threads), 132 * 16))
@@ -396,30 +418,35 @@ class _Workspace:
         return off
 
 
-def _mask_plan(prob: Problem, var: _Variant, ws: _Workspace, mask_strides: Tuple[int, ...],
-               plan: "_Plan") -> Tuple[Any, Tuple[int, ...], Optional[_Kernel]]:
-    """The mask pointer a pass reads, its strides, and the conversion launch a 16-bit float mask needs
-    (reading ``plan``'s mask and workspace value slots).
+def _mask_plan(prob: Problem, ws: _Workspace, mask_strides: Tuple[int, ...],
+               plan: "_Plan") -> Tuple[Any, Tuple[int, ...], Dict[str, Any], Optional[Dict[str, Any]]]:
+    """The mask pointer a pass reads, its strides, the struct fields of the mask, and the pointers
+    of the conversion launch that a 16-bit float mask needs (reading ``plan``'s mask and workspace
+    value slots; None without one).
 
     A device float mask stored in the inputs' 16-bit type is converted into
     a compact float32 copy in the workspace (size 1 on broadcast dims).
     """
     m = prob.mask
     if m is None:
-        return 0, (0, 0, 0, 0), None
+        return 0, (0, 0, 0, 0), {}, None
     src, ws_src = plan.M, plan.WS
     if m.dtype.kind == "b" or m.dtype == np.float32:
-        return _Ref(src), mask_strides, None
+        return _Ref(src), mask_strides, {}, None
     dims = tuple(1 if st == 0 else n for n, st in zip(m.shape, mask_strides))
     total = int(np.prod(dims))
     off = ws.region(4 * total)
-    blocks = _grid_stride_blocks(total)
-    conv = _Kernel("flash_convert_mask", var.function("flash_convert_mask"), (blocks, 1, 1), 256, 0,
-                   var.format("flash_convert_mask"),
-                   (_Ref(src), _Ref(ws_src, off), dims[1], dims[2], dims[3], *mask_strides, total),
-                   plan.pointers)
+    fields = dict(zip(("src_sb", "src_sh", "src_sq", "src_sk"), mask_strides),
+                  mask_n1=dims[1], mask_n2=dims[2], mask_n3=dims[3], mask_total=total)
     cs = c_strides(dims)
-    return _Ref(ws_src, off), tuple(0 if st == 0 else c for st, c in zip(mask_strides, cs)), conv
+    return (_Ref(ws_src, off), tuple(0 if st == 0 else c for st, c in zip(mask_strides, cs)), fields,
+            dict(mask_src=_Ref(src), mask=_Ref(ws_src, off)))
+
+
+def _strides(prefix: str, strides: Sequence[int]) -> Dict[str, int]:
+    """Struct fields ``<prefix>_sb, _sh, _sn``: the batch, head and row strides of an array."""
+    sb, sh, sn = _three(strides)
+    return {prefix + "_sb": sb, prefix + "_sh": sh, prefix + "_sn": sn}
 
 
 # L2 share for the Kj, Vj of one job group of the persistent forward
@@ -452,6 +479,32 @@ class _Plan:
         the key lengths, workspace and job counter (set by :func:`execute`)."""
         return [*ptrs, *(0,) * (self.N_VALS - len(ptrs))]
 
+    def _begin(self, prob: Problem, kind: str) -> "_Variant":
+        """Start a plan of pass ``kind``: its lock, pointer table and sizes; its variant."""
+        _check_grid(prob)
+        self._lock = threading.Lock()
+        self.pointers = _Pointers(self.N_VALS)
+        self._sizes = dict(Nq=prob.Nq, Nk=prob.Nk, D=prob.D)
+        self._describe(prob, kind)
+        return _variant(prob, kind)
+
+    def _struct(self, var: "_Variant", kernel: str, fields: Dict[str, Any]) -> None:
+        """The plan's parameter struct (of ``kernel``'s type, which every kernel of the pass takes)."""
+        self.struct = _fill_struct(var.params(kernel).struct, fields)
+
+    def _kernel(self, var: "_Variant", name: str, grid: Tuple[int, int, int], **pointers: Any) -> _Kernel:
+        """Kernel ``name`` of the variant launched on ``grid``, its pointer parameters given by name
+        and its sizes (Nq, Nk, D, those it takes) and the struct from the plan."""
+        params = var.params(name)
+        args = dict(pointers)
+        for size, _ in params.scalars:
+            if size not in self._sizes:
+                raise ValueError(f"{name}: scalar parameter {size!r} is none of {sorted(self._sizes)}")
+            args[size] = self._sizes[size]
+        shape = var.shape(name)
+        return _Kernel(name, var.function(name), grid, shape.threads, shape.smem, params, args, self.pointers,
+                       self.struct)
+
     def _finish(self, kernels: List[_Kernel], ws: "_Workspace", pass_: str) -> None:
         self.kernels = kernels
         self._launches = tuple(k.launch for k in kernels)
@@ -481,48 +534,44 @@ class ForwardPlan(_Plan):
     OUTPUT_NAMES = "out= and lse="
 
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
-        _check_grid(prob)
-        self._lock = threading.Lock()
-        self.pointers = _Pointers(self.N_VALS)
-        B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-        var = _variant(prob, "fwd")
-        hopper = var.pass_ == "fwd_sm90"
+        var = self._begin(prob, "fwd")
+        B, H, Nq, D = prob.B, prob.H, prob.Nq, prob.D
         ws = _Workspace()
-        self._describe(prob, "fwd")
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
-        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self)
+        mask_ref, mask_strides, mask_fields, conv = _mask_plan(prob, ws, strides.get("mask", (0, 0, 0, 0)), self)
         itemsize = np.dtype(prob.dtype).itemsize
         # 16-bit outputs are stored in aligned pairs under the same condition.
         names = ("q", "k", "v") if itemsize == 4 else ("q", "k", "v", "out")
-        vec = _vec_ok([_three(strides[n]) for n in names], D, itemsize, aligned)
-        rows, threads = var.forward_block()
-        grid = ((Nq + rows - 1) // rows, H, B)
-        fn = var.function("flash_fwd_kernel")
-        extra: Tuple[Any, ...] = ()
+        lo, hi = _band(prob)
+        fields = dict(
+            **_strides("q", strides["q"]), **_strides("k", strides["k"]), **_strides("v", strides["v"]),
+            **_strides("o", strides["out"]), **_strides("l", strides["lse"]),
+            **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields,
+            scale_log2=prob.scale * LOG2E, band_lo=lo, band_hi=hi,
+            vec=_vec_ok([_three(strides[n]) for n in names], D, itemsize, aligned),
+            H=H, kv_group=H // prob.kv_heads)
+        shape = var.shape("flash_fwd_kernel")
+        grid = ((Nq + shape.tile - 1) // shape.tile, H, B)
+        pointers = dict(Q=_Ref(self.Q), K=_Ref(self.K), V=_Ref(self.V), O=_Ref(self.O), LSE=_Ref(self.L),
+                        mask=mask_ref, key_lengths=_Ref(self.KL))  # (key lengths 0: none)
         self.counter = False
-        if hopper:
+        if var.pass_ == "fwd_sm90":
             # Jobs: query tiles of every (batch, head).  Persistent blocks take
             # them from the job counter; otherwise one block each.
-            jobs = grid[0] * H * B
-            group_shift, counter = 0, 0
+            fields["n_jobs"] = jobs = grid[0] * H * B
+            pointers["sched"] = 0
             if var.defs["FWD_PERSIST"]:  # (_check_grid bounds the jobs)
                 self.counter = True
-                counter = _Ref(self.CNT)
-                group_shift = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
-                grid = (min(jobs, var.resident_blocks("flash_fwd_kernel", threads) * _sm_count()), 1, 1)
-            extra = (H, jobs, group_shift, counter)
-        lo, hi = _band(prob)
-        kl = _Ref(self.KL)  # (0: no key lengths)
-        main = _Kernel(
-            "flash_fwd_kernel", fn, grid, threads, var.smem("flash_fwd_kernel"),
-            var.format("flash_fwd_kernel"),
-            (_Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.O), _Ref(self.L), mask_ref, kl,
-             Nq, Nk, D,
-             *_three(strides["q"]), *_three(strides["k"]), *_three(strides["v"]), *_three(strides["out"]),
-             *_three(strides["lse"]), *mask_strides,
-             prob.scale * LOG2E, lo, hi, vec, *extra, H // prob.kv_heads), self.pointers,
-        )
-        self._finish(([conv] if conv is not None else []) + [main], ws, var.pass_)
+                pointers["sched"] = _Ref(self.CNT)
+                fields["group_shift"] = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
+                grid = (min(jobs, var.resident_blocks("flash_fwd_kernel") * _sm_count()), 1, 1)
+        self._struct(var, "flash_fwd_kernel", fields)
+        kernels = []
+        if conv is not None:
+            blocks = _grid_stride_blocks(fields["mask_total"], var.shape("flash_convert_mask").threads)
+            kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
+        kernels.append(self._kernel(var, "flash_fwd_kernel", grid, **pointers))
+        self._finish(kernels, ws, var.pass_)
 
 
 def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
@@ -558,86 +607,68 @@ class BackwardPlan(_Plan):
     OUTPUT_NAMES = "dq=, dk= and dv="
 
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
-        _check_grid(prob)
-        self._lock = threading.Lock()
-        self.pointers = _Pointers(self.N_VALS)
+        var = self._begin(prob, "bwd")
         self.counter = False
         B, H, Nq, Nk, D = prob.B, prob.H, prob.Nq, prob.Nk, prob.D
-        var = _variant(prob, "bwd")
         rows = B * H * Nq
         # Workspace: Di, Li*log2e (B*H*Nq each), key lengths, dQ accumulator, converted mask,
         # and with grouped K/V heads the per-query-head dK, dV (B, H, Nk, D) that step 4 sums.
         Hkv = prob.kv_heads
         group = H // Hkv
         ws = _Workspace()
-        off_d = ws.region(4 * rows)
-        off_l2 = ws.region(4 * rows)
-        self._describe(prob, "bwd")
+        d_ref, l2_ref = _Ref(self.WS, ws.region(4 * rows)), _Ref(self.WS, ws.region(4 * rows))
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
-        off_dq = -1 if prob.deterministic else ws.region(4 * rows * D)
-        mask_ref, mask_strides, conv = _mask_plan(prob, var, ws, strides.get("mask", (0, 0, 0, 0)), self)
-        d_ref, l2_ref = _Ref(self.WS, off_d), _Ref(self.WS, off_l2)
-        dqacc = _Ref(self.WS, off_dq) if off_dq >= 0 else 0
-        kl = _Ref(self.KL)  # (0: no key lengths)
-        lo, hi = _band(prob)
+        dqacc = 0 if prob.deterministic else _Ref(self.WS, ws.region(4 * rows * D))
+        mask_ref, mask_strides, mask_fields, conv = _mask_plan(prob, ws, strides.get("mask", (0, 0, 0, 0)), self)
         itemsize = np.dtype(prob.dtype).itemsize
         st = {n: _three(strides[n]) for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv")}
         dk_ref, dv_ref = _Ref(self.DK), _Ref(self.DV)
         if group > 1:  # (the dK/dV kernel writes per query head into the workspace)
-            per_head = c_strides((B, H, Nk, D))
             dk_ref = _Ref(self.WS, ws.region(itemsize * B * H * Nk * D))
             dv_ref = _Ref(self.WS, ws.region(itemsize * B * H * Nk * D))
-            st["dk_h"] = st["dv_h"] = _three(per_head)
+            st["dkh"] = st["dvh"] = _three(c_strides((B, H, Nk, D)))
         else:
-            st["dk_h"], st["dv_h"] = st["dk"], st["dv"]
+            st["dkh"], st["dvh"] = st["dk"], st["dv"]
         # 16-bit dK, dV (and deterministic dQ) are stored in aligned pairs under the same condition.
-        names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dk_h", "dv_h")
-        vec = _vec_ok([st[n] for n in names], D, itemsize, aligned)
-        scale, scale_log2 = prob.scale, prob.scale * LOG2E
+        names = ("q", "k", "v", "dout") if itemsize == 4 else ("q", "k", "v", "dout", "dq", "dkh", "dvh")
+        lo, hi = _band(prob)
+        self._struct(var, "flash_bwd_dkdv_kernel", dict(
+            **{f: x for n in ("q", "k", "v", "dq", "dkh", "dvh", "dk", "dv") for f, x in _strides(n, st[n]).items()},
+            **_strides("do", st["dout"]), **_strides("o", st["out"]), **_strides("l", st["lse"]),
+            **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields,
+            scale_log2=prob.scale * LOG2E, scale=prob.scale, band_lo=lo, band_hi=hi,
+            vec=_vec_ok([st[n] for n in names], D, itemsize, aligned),
+            H=H, kv_group=group, Hkv=Hkv, total_rows=rows, kv_total=B * Hkv * Nk * D))
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
-        kernels = [conv] if conv is not None else []
-
+        kernels = []
+        if conv is not None:
+            blocks = _grid_stride_blocks(mask_fields["mask_total"], var.shape("flash_convert_mask").threads)
+            kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
         # 1. Di = rowsum(dO o O), Li*log2(e); the dQ accumulator zeroed.
-        rows_per_block = compiler.PRE_ROWS * compiler.PRE_WARPS
-        row_blocks = ((rows + rows_per_block - 1) // rows_per_block, 1, 1)
-        kernels.append(_Kernel(
-            "flash_bwd_preprocess", var.function("flash_bwd_preprocess"), row_blocks, 32 * compiler.PRE_WARPS, 0,
-            var.format("flash_bwd_preprocess"),
-            (do, _Ref(self.O), _Ref(self.L), d_ref, l2_ref, dqacc, H, Nq, D, rows, *st["dout"], *st["out"],
-             *st["lse"]), self.pointers))
+        pre = var.shape("flash_bwd_preprocess").tile
+        row_blocks = ((rows + pre - 1) // pre, 1, 1)
+        kernels.append(self._kernel(var, "flash_bwd_preprocess", row_blocks, dO=do, O=_Ref(self.O),
+                                    LSE=_Ref(self.L), Dvec=d_ref, L2vec=l2_ref, dQacc=dqacc))
         # 2. dK, dV (and dQ by atomics): one block per key tile, grid (H, B, key tiles).
-        keys, threads = var.backward_block()
+        keys = var.shape("flash_bwd_dkdv_kernel").tile
         if -(-Nk // keys) > MAX_GRID_YZ:
             raise ValueError(f"Nk must be <= {MAX_GRID_YZ * keys} for this backward (key tiles of {keys}), "
                              f"got {Nk}")
-        kernels.append(_Kernel(
-            "flash_bwd_dkdv_kernel", var.function("flash_bwd_dkdv_kernel"), (H, B, (Nk + keys - 1) // keys),
-            threads, var.smem("flash_bwd_dkdv_kernel"), var.format("flash_bwd_dkdv_kernel"),
-            (q, k, v, do, d_ref, l2_ref, dqacc, dk_ref, dv_ref, mask_ref, kl,
-             Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dk_h"], *st["dv_h"], *mask_strides,
-             scale_log2, scale, lo, hi, vec, group), self.pointers))
+        inputs = dict(Q=q, K=k, V=v, dO=do, Dvec=d_ref, L2vec=l2_ref, mask=mask_ref, key_lengths=_Ref(self.KL))
+        kernels.append(self._kernel(var, "flash_bwd_dkdv_kernel", (H, B, (Nk + keys - 1) // keys), **inputs,
+                                    dQacc=dqacc, dK=dk_ref, dV=dv_ref))
         # 3. dQ: deterministic kernel, or rounding of the accumulator.
         if prob.deterministic:
-            kernels.append(_Kernel(
-                "flash_bwd_dq_kernel", var.function("flash_bwd_dq_kernel"),
-                ((Nq + var.tiles.dq_br - 1) // var.tiles.dq_br, H, B), 32 * compiler.DQ_WARPS,
-                var.smem("flash_bwd_dq_kernel"), var.format("flash_bwd_dq_kernel"),
-                (q, k, v, do, d_ref, l2_ref, _Ref(self.DQ), mask_ref, kl,
-                 Nq, Nk, D, *st["q"], *st["k"], *st["v"], *st["dout"], *st["dq"], *mask_strides,
-                 scale_log2, scale, lo, hi, vec, group), self.pointers))
+            br = var.shape("flash_bwd_dq_kernel").tile
+            kernels.append(self._kernel(var, "flash_bwd_dq_kernel", ((Nq + br - 1) // br, H, B), **inputs,
+                                        dQ=_Ref(self.DQ)))
         else:
-            kernels.append(_Kernel(
-                "flash_bwd_convert_dq", var.function("flash_bwd_convert_dq"), row_blocks, 32 * compiler.PRE_WARPS, 0,
-                var.format("flash_bwd_convert_dq"), (dqacc, _Ref(self.DQ), H, Nq, D, rows, *st["dq"], vec),
-                self.pointers))
+            kernels.append(self._kernel(var, "flash_bwd_convert_dq", row_blocks, dQacc=dqacc, dQ=_Ref(self.DQ)))
         # 4. Grouped K/V heads: dK, dV of each K/V head, the sum over its group (a fixed order).
         if group > 1:
-            total = B * Hkv * Nk * D
-            kernels.append(_Kernel(
-                "flash_bwd_sum_groups", var.function("flash_bwd_sum_groups"),
-                (_grid_stride_blocks(total), 2, 1), 256, 0, var.format("flash_bwd_sum_groups"),
-                (dk_ref, dv_ref, _Ref(self.DK), _Ref(self.DV), Hkv, group, Nk, D, total, *st["dk"], *st["dv"]),
-                self.pointers))
+            blocks = _grid_stride_blocks(B * Hkv * Nk * D, var.shape("flash_bwd_sum_groups").threads)
+            kernels.append(self._kernel(var, "flash_bwd_sum_groups", (blocks, 2, 1), dKh=dk_ref, dVh=dv_ref,
+                                        dK=_Ref(self.DK), dV=_Ref(self.DV)))
         self._finish(kernels, ws, var.pass_)
 
 

@@ -55,22 +55,40 @@ def test_all_variants_compile(builds):
     assert not failed, "nvcc failed:\n" + "\n\n".join(failed)
 
 
+_BWD = {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_convert_dq",
+        "flash_bwd_sum_groups"}
+#: The kernels of each pass.
+KERNELS = {"fwd": {"flash_fwd_kernel"}, "bwd": _BWD,
+           "fwd_f16": {"flash_fwd_kernel", "flash_convert_mask"}, "bwd_f16": _BWD | {"flash_convert_mask"},
+           "fwd_sm90": {"flash_fwd_kernel", "flash_convert_mask"}, "bwd_sm90": _BWD | {"flash_convert_mask"}}
+#: Dynamic shared memory one block may have (bytes), by architecture.
+SMEM_OPTIN = {"sm_80": 166912, "sm_90": 232448, "sm_90a": 232448}
+
+
 def test_no_local_memory_spills(builds):
     bad = []
     for r in builds:
-        bwd = {"flash_bwd_preprocess", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel", "flash_bwd_convert_dq",
-               "flash_bwd_sum_groups"}
-        expected = {"fwd": {"flash_fwd_kernel"}, "bwd": bwd,
-                    "fwd_f16": {"flash_fwd_kernel", "flash_convert_mask"},
-                    "bwd_f16": bwd | {"flash_convert_mask"},
-                    "fwd_sm90": {"flash_fwd_kernel", "flash_convert_mask"},
-                    "bwd_sm90": bwd | {"flash_convert_mask"}}[r.pass_]
+        expected = KERNELS[r.pass_]
         assert expected <= set(r.spills), f"{_label(r)}: ptxas report lacks {expected - set(r.spills)}"
         for kernel, (stores, loads) in r.spills.items():
             if stores or loads or r.stack.get(kernel, 0):
                 bad.append(f"{_label(r)} {kernel}: {stores} B spill stores, {loads} B spill loads, "
                            f"{r.stack.get(kernel)} B stack")
     assert not bad, "local memory used:\n" + "\n".join(bad)
+
+
+def test_every_kernel_states_a_launch_shape_that_fits(builds):
+    """Each kernel's threads, tile and shared memory come from its cubin; the shared memory fits
+    the architecture, the threads its launch bounds (a whole number of warps, at most 1024)."""
+    seen = 0
+    for r in builds:
+        for kernel in KERNELS[r.pass_]:
+            shape = compiler.shape_from_cubin(r.image, kernel)
+            assert 0 <= shape.smem <= SMEM_OPTIN[r.arch], f"{_label(r)} {kernel}: {shape}"
+            assert shape.threads % 32 == 0 and 0 < shape.threads <= 1024, f"{_label(r)} {kernel}: {shape}"
+            assert shape.tile > 0, f"{_label(r)} {kernel}: {shape}"
+            seen += shape.smem > 0
+    assert seen > 0
 
 
 def test_spill_parser_detects_spills():

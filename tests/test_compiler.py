@@ -11,7 +11,6 @@ import pytest
 from pycudaflash import compiler
 
 ROOT = Path(__file__).resolve().parent.parent
-SMEM_OPTIN = {"sm_80": 166912, "sm_90": 232448}  # bytes a block may opt into
 
 
 @pytest.fixture
@@ -38,10 +37,6 @@ def test_hopper_backward_coverage(hopper_on: None) -> None:
             want = "bwd_f16" if (hd, mk) == (128, "float") else "bwd_sm90"
             assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mk) == want
             assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mk) == "fwd_sm90"
-    blocks = [compiler.bwd90_block(compiler.defines("bwd_sm90", hd, "bool", "float16", "sm_90"))
-              for hd in compiler.HEAD_DIM_BUCKETS_F16]
-    assert blocks == [(128, 256), (128, 256), (128, 256), (64, 256), (64, 256)]
-    assert compiler.bwd90_block(compiler.defines("bwd_sm90", 64, "none", "float16", "sm_90")) == (192, 384)
 
 
 def test_hopper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,40 +87,6 @@ def test_hopper_defines() -> None:
         compiler.defines("bwd_sm90", 128, "float", "float16", "sm_90")
     with pytest.raises(ValueError):
         compiler.defines("fwd_sm90", 128, "none", "float32", "sm_90")
-
-
-@pytest.mark.parametrize("arch", sorted(SMEM_OPTIN))
-def test_shared_memory_fits(arch: str) -> None:
-    seen = 0
-    for pass_, defs in compiler.all_variants(arch=arch):
-        dtype = {0: "float16", 1: "bfloat16"}.get(defs.get("ELEM_BF16"), "float32")
-        kernels = (("flash_fwd_kernel",) if pass_.startswith("fwd")
-                   else ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"))
-        for kernel in kernels:
-            smem = compiler.smem_bytes(kernel, defs["HEAD_DIM"], dtype, arch, pass_, defs)
-            assert smem <= SMEM_OPTIN[arch], f"{pass_} {defs} {kernel}: {smem} bytes"
-            seen += smem > 0
-    assert seen > 0
-
-
-def test_hopper_forward_shared_memory() -> None:
-    # Qi (128 rows) + 2 stages of Kj, Vj, in whole 64-column blocks, + alignment slack.
-    d = compiler.defines("fwd_sm90", 96, "none", "float16", "sm_90")
-    assert compiler.smem_bytes("flash_fwd_kernel", 96, "float16", "sm_90", "fwd_sm90", d) == \
-        (128 + 4 * 128) * 128 * 2 + 1024
-    d = compiler.defines("fwd_sm90", 256, "float", "float16", "sm_90")
-    assert compiler.smem_bytes("flash_fwd_kernel", 256, "float16", "sm_90", "fwd_sm90", d) == \
-        (128 + 4 * 32) * 256 * 2 + 1024
-
-
-def test_hopper_backward_shared_memory() -> None:
-    # Kj, Vj; Qi, dOi in 2 stages; dS^T (Pij and dSij above 128); Li, Di in 2 stages; slack.
-    def smem(hd: int) -> int:
-        return compiler.smem_bytes("flash_bwd_dkdv_kernel", hd, "bfloat16", "sm_90", "bwd_sm90")
-    assert smem(128) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
-    assert smem(96) == ((2 * 128 + 4 * 64) * 128 + 128 * 64) * 2 + 4 * 64 * 4 + 1024
-    assert smem(64) == ((2 * 192 + 4 * 64) * 64 + 192 * 64) * 2 + 4 * 64 * 4 + 1024  # 3 warpgroups
-    assert smem(256) == ((2 * 64 + 4 * 64) * 256 + 2 * 64 * 64) * 2 + 4 * 64 * 4 + 1024
 
 
 def test_wgmma_header_is_generated() -> None:
@@ -197,46 +158,6 @@ def test_a_missing_include_is_named(tmp_path, monkeypatch) -> None:
             compiler.source("fwd")
     finally:
         compiler.source.cache_clear()
-
-
-def test_parameter_formats_are_read_from_the_kernel_signatures() -> None:
-    P, i, q, f = "P", "i", "q", "f"
-    fwd = P * 7 + i * 3 + q * 19 + f + i * 3  # (then the K/V head group, last everywhere)
-    pre, convert, mask = P * 6 + i * 3 + q * 10, P * 2 + i * 3 + q * 4 + i, P * 2 + q * 8
-    dkdv, dq = P * 11 + i * 3 + q * 22 + f * 2 + i * 4, P * 9 + i * 3 + q * 19 + f * 2 + i * 4
-    sums = P * 4 + i * 4 + q * 7
-    expected = {
-        ("fwd", "flash_fwd_kernel"): fwd + i,
-        ("fwd_f16", "flash_fwd_kernel"): fwd + i,
-        ("fwd_sm90", "flash_fwd_kernel"): fwd + i * 3 + P + i,  # + heads, jobs, job group, job counter
-        ("fwd_f16", "flash_convert_mask"): mask,
-        ("fwd_sm90", "flash_convert_mask"): mask,
-    }
-    for p in ("bwd", "bwd_f16", "bwd_sm90"):
-        expected.update({(p, "flash_bwd_preprocess"): pre, (p, "flash_bwd_dkdv_kernel"): dkdv,
-                         (p, "flash_bwd_dq_kernel"): dq, (p, "flash_bwd_convert_dq"): convert,
-                         (p, "flash_bwd_sum_groups"): sums})
-        if p != "bwd":
-            expected[(p, "flash_convert_mask")] = mask
-    for (p, kernel), fmt in expected.items():
-        assert compiler.parameter_format(p, kernel) == fmt, (p, kernel)
-    with pytest.raises(ValueError, match="0 distinct signatures"):
-        compiler.parameter_format("fwd", "flash_bwd_dkdv_kernel")
-
-
-def test_a_parameter_type_without_a_packing_code_is_refused(tmp_path, monkeypatch) -> None:
-    (tmp_path / "flash_common.cuh").write_text("// x\n")
-    (tmp_path / "flash_fwd.cu").write_text('extern "C" __global__ void __launch_bounds__(128, 1)\n'
-                                           "flash_fwd_kernel(const float *x, double y) {}\n")
-    monkeypatch.setattr(compiler, "kernel_dir", lambda: tmp_path)
-    compiler.source.cache_clear()
-    compiler.parameter_format.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="no packing code for parameter 'double y'"):
-            compiler.parameter_format("fwd", "flash_fwd_kernel")
-    finally:
-        compiler.source.cache_clear()
-        compiler.parameter_format.cache_clear()
 
 
 def test_every_define_a_kernel_requires_is_given() -> None:

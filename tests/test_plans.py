@@ -60,22 +60,30 @@ class _FakeLaunch:
         return 0
 
 
-def test_kernel_packs_fixed_parameters_and_references(monkeypatch: pytest.MonkeyPatch) -> None:
+def _demo_params() -> compiler.KernelParams:
+    st = compiler.ParamStruct("S", (("a", "i64"), ("b", "float")),
+                              type("S", (ctypes.Structure,), {"_fields_": [("a", ctypes.c_int64), ("b", ctypes.c_float)]}))
+    return compiler.KernelParams(("X", "Y", "Z"), (("n", "int"), ("m", "i64")), st)
+
+
+def test_kernel_packs_parameters_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _FakeLaunch()
     monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: fake)
+    kp = _demo_params()
     ptrs = _Pointers(3)
-    k = _Kernel("k", 0x1234, (3, 2, 1), 128, 4096, "PiqfPP", (_Ref(2, 64), -3, 1 << 40, 0.25, 0, _Ref(1)), ptrs)
+    struct = kp.struct.ctype(a=7, b=0.5)
+    k = _Kernel("k", 0x1234, (3, 2, 1), 128, 4096, kp, dict(Z=_Ref(1), X=_Ref(2, 64), Y=0, n=-3, m=1 << 40), ptrs,
+                struct)
     assert k.fn == 0x1234 and k.grid == (3, 2, 1) and k.block == (128, 1, 1) and k.smem == 4096
-    assert list(k.slots) == [0, 0xFFFFFFFD, 1 << 40, _bits("f", 0.25), 0, 0]
-    assert k.refs == ((0, 2, 64), (5, 1, 0))
-    # Fixed parameters point at the kernel's slots, 8 bytes apart; references into the pointer
-    # table: a value slot itself (offset 0) or a slot after the values for value + offset.
+    # Slots: pointers in signature order (Y fixed at 0), then the scalars; the struct is passed from its memory.
+    assert list(k.slots)[1:5] == [0, 0, 0xFFFFFFFD, 1 << 40]
+    assert k.refs == ((0, 2, 64), (2, 1, 0))
     base, table = ctypes.addressof(k.slots), ctypes.addressof(ptrs.array)
-    assert [k.addrs[i] for i in range(1, 5)] == [base + 8 * i for i in range(1, 5)]
-    assert k.addrs[5] == table + 8 * 1 and k.addrs[0] == table + 8 * 3
+    assert [k.addrs[i] for i in (1, 3, 4)] == [base + 8, base + 24, base + 32]
+    assert k.addrs[0] == table + 8 * 3 and k.addrs[2] == table + 8 * 1 and k.addrs[5] == ctypes.addressof(struct)
     assert ptrs.derived == ((3, 2, 64),)
     # A second kernel taking the same value + offset shares its slot.
-    k2 = _Kernel("k2", 0x99, (1, 1, 1), 32, 0, "P", (_Ref(2, 64),), ptrs)
+    k2 = _Kernel("k2", 0x99, (1, 1, 1), 32, 0, kp, dict(X=_Ref(2, 64), Y=0, Z=0, n=1, m=2), ptrs, struct)
     assert k2.addrs[0] == k.addrs[0] and ptrs.derived == ((3, 2, 64),)
     # A call writes the values and the derived pointers; the launch passes the argument array.
     ptrs.fill([0, 0x7F0000001000, 0x7F0000002000])
@@ -85,12 +93,35 @@ def test_kernel_packs_fixed_parameters_and_references(monkeypatch: pytest.Monkey
     ptrs.fill([0, 0, 0x100])
     k.launch(0)  # the default stream: a null handle
     assert ptrs.array[3] == 0x140 and fake.calls[-1][8] is None
-    with pytest.raises(ValueError, match="format"):
-        _Kernel("k", 1, (1, 1, 1), 32, 0, "i", (_Ref(0),), ptrs)
-    with pytest.raises(ValueError, match="value slot 3 of 3"):
-        _Kernel("k", 1, (1, 1, 1), 32, 0, "P", (_Ref(3),), ptrs)
-    with pytest.raises(ValueError, match="format"):
-        _Kernel("k", 1, (1, 1, 1), 32, 0, "ii", (1,), ptrs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (dict(X=0, Y=0, n=1, m=2), r"no value for parameters \['Z'\]"),
+    (dict(X=0, Y=0, Z=0, n=1, m=2, w=3), r"\['w'\] are no parameters"),
+    (dict(X=0, Y=0, Z=0, n=_Ref(0), m=2), "scalar parameter 'n' given a pointer reference"),
+    (dict(X=_Ref(3), Y=0, Z=0, n=1, m=2), "value slot 3 of 3"),
+])
+def test_kernel_refuses_wrong_arguments(monkeypatch: pytest.MonkeyPatch, args: dict, message: str) -> None:
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+    kp = _demo_params()
+    with pytest.raises(ValueError, match=message):
+        _Kernel("k", 1, (1, 1, 1), 32, 0, kp, args, _Pointers(3), kp.struct.ctype())
+
+
+def test_struct_fields_are_filled_by_name_and_checked() -> None:
+    from pycudaflash.cuda_backend import _fill_struct
+
+    kp = _demo_params()
+    s = _fill_struct(kp.struct, dict(a=-5, b=2))
+    assert (s.a, s.b) == (-5, 2.0)
+    assert _fill_struct(kp.struct, {}).a == 0  # (fields a pass does not use stay 0)
+    with pytest.raises(ValueError, match="no field 'c'"):
+        _fill_struct(kp.struct, dict(c=1))
+    with pytest.raises(TypeError, match="field 'a'"):
+        _fill_struct(kp.struct, dict(a=1.5))
+    small = compiler.ParamStruct("T", (("n", "int"),), type("T", (ctypes.Structure,), {"_fields_": [("n", ctypes.c_int32)]}))
+    with pytest.raises(ValueError, match="cannot hold"):
+        _fill_struct(small, dict(n=1 << 40))
 
 
 def test_outputs_disjoint_by_address_range() -> None:
@@ -129,23 +160,21 @@ def test_default_streams_are_never_captured_and_the_driver_is_not_asked() -> Non
 
 
 class _FakeVariant:
-    """A variant of pass ``pass_`` whose kernels need no GPU: handles 0, formats read from the source."""
+    """A variant of pass ``pass_`` whose kernels need no GPU: handles 0, parameters read from the
+    source, launch shapes made up (``shapes``: kernel -> (threads, tile))."""
 
-    def __init__(self, pass_: str, defs: dict) -> None:
-        self.pass_, self.defs = pass_, defs
+    def __init__(self, pass_: str, defs: dict, shapes: dict) -> None:
+        self.pass_, self.defs, self.shapes = pass_, defs, shapes
         self.tiles = compiler.tiles(defs["HEAD_DIM"], "float16", "sm_80")
 
     def function(self, kernel: str) -> int:
         return 0
 
-    def smem(self, kernel: str) -> int:
-        return 0
+    def shape(self, kernel: str) -> compiler.KernelShape:
+        return compiler.KernelShape(*self.shapes.get(kernel, (256, 1)), 0)
 
-    def format(self, kernel: str) -> str:
-        return compiler.parameter_format(self.pass_, kernel)
-
-    def backward_block(self) -> tuple:
-        return self.tiles.bwd_bc, 32 * compiler.BWD_WARPS
+    def params(self, kernel: str) -> compiler.KernelParams:
+        return compiler.kernel_params(self.pass_, kernel)
 
 
 @pytest.mark.parametrize("hkv", [4, 2])
@@ -154,7 +183,8 @@ def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: in
     (B, H, Nk, D)) and a last kernel sums each group into dk, dv; without, it writes dk, dv itself."""
     from pycudaflash import cuda_backend
 
-    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, "none", "float16", "sm_80", groups=hkv < 4))
+    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, "none", "float16", "sm_80", groups=hkv < 4),
+                        {"flash_bwd_dkdv_kernel": (256, 64), "flash_bwd_preprocess": (256, 32)})
     monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
     monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
     B, H, Nq, Nk, D = 2, 4, 33, 70, 64
@@ -168,23 +198,30 @@ def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: in
     plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
     kernels = {k.name: k for k in plan.kernels}
     dkdv = kernels["flash_bwd_dkdv_kernel"]
+    assert dkdv.grid == (H, B, 2) and kernels["flash_bwd_preprocess"].grid == (-(-B * H * Nq // 32), 1, 1)
+    # One struct for every kernel of the plan, passed last.
+    p = plan.struct
+    assert all(k.addrs[len(k.addrs) - 1] == ctypes.addressof(p) for k in plan.kernels)
+    assert (p.H, p.kv_group, p.Hkv, p.vec) == (H, H // hkv, hkv, 1)  # (vec: D 64, aligned rows)
+    assert (p.dk_sb, p.dk_sh, p.dk_sn) == (hkv * Nk * D, Nk * D, D) == (p.dv_sb, p.dv_sh, p.dv_sn)
+    assert p.total_rows == B * H * Nq and p.kv_total == B * hkv * Nk * D
     P = cuda_backend.BackwardPlan
+    ptr = dict(zip(compiler.kernel_params("bwd_f16", "flash_bwd_dkdv_kernel").pointers, range(99)))
     refs = {i: (src, off) for i, src, off in dkdv.refs}
-    dk_strides = [dkdv.slots[i] for i in range(26, 29)]  # dk_sb, dk_sh, dk_sn (after Nq, Nk, D and q, k, v, dout strides)
-    assert dkdv.slots[len(dkdv.slots) - 1] == H // hkv  # kv_group, the last parameter
-    assert dkdv.slots[len(dkdv.slots) - 2] == 1  # vec: 16-byte loads and paired stores (D 64, aligned rows)
     if hkv == H:
-        assert refs[7] == (P.DK, 0) and refs[8] == (P.DV, 0) and "flash_bwd_sum_groups" not in kernels
-        assert dk_strides == [hkv * Nk * D, Nk * D, D]
+        assert refs[ptr["dK"]] == (P.DK, 0) and refs[ptr["dV"]] == (P.DV, 0)
+        assert "flash_bwd_sum_groups" not in kernels
+        assert (p.dkh_sb, p.dkh_sh, p.dkh_sn) == (p.dk_sb, p.dk_sh, p.dk_sn)
         return
     # Per-query-head dK, dV in the workspace, contiguous (B, H, Nk, D), then summed into dk, dv.
-    assert refs[7][0] == refs[8][0] == P.WS and refs[8][1] - refs[7][1] >= 2 * B * H * Nk * D
-    assert dk_strides == [H * Nk * D, Nk * D, D]
+    dk_h, dv_h = refs[ptr["dK"]], refs[ptr["dV"]]
+    assert dk_h[0] == dv_h[0] == P.WS and dv_h[1] - dk_h[1] >= 2 * B * H * Nk * D
+    assert (p.dkh_sb, p.dkh_sh, p.dkh_sn) == (H * Nk * D, Nk * D, D) == (p.dvh_sb, p.dvh_sh, p.dvh_sn)
     sums = kernels["flash_bwd_sum_groups"]
     assert plan.kernels[-1] is sums and sums.grid[1] == 2
-    srefs = {i: (src, off) for i, src, off in sums.refs}
-    assert srefs == {0: refs[7], 1: refs[8], 2: (P.DK, 0), 3: (P.DV, 0)}
-    assert sums.addrs[0] == dkdv.addrs[7] and sums.addrs[1] == dkdv.addrs[8]  # (one pointer slot each)
-    assert list(sums.slots)[4:9] == [hkv, H // hkv, Nk, D, B * hkv * Nk * D]
-    assert list(sums.slots)[9:15] == [hkv * Nk * D, Nk * D, D] * 2
+    sptr = compiler.kernel_params("bwd_f16", "flash_bwd_sum_groups").pointers
+    srefs = {sptr[i]: (src, off) for i, src, off in sums.refs}
+    assert srefs == {"dKh": dk_h, "dVh": dv_h, "dK": (P.DK, 0), "dV": (P.DV, 0)}
+    # (one pointer slot each, shared by the two kernels)
+    assert sums.addrs[sptr.index("dKh")] == dkdv.addrs[ptr["dK"]]
     assert plan.ws_bytes >= 2 * 2 * B * H * Nk * D

@@ -80,3 +80,55 @@ def test_keys_seen_by_the_band_alone_match_the_tile_walk(causal: str, left: int,
         walked = cpu._keys_seen(B, H, nq, nk, bnd, kl, int(kl.min()), np.ones((B, H, nq, nk), bool), 16, 16)
         assert np.array_equal(direct, walked)
         assert not direct.all()
+
+
+# On every backend and dtype: the band and the key lengths (the kernels zero-fill the keys and
+# values past the keys some row of the problem may see when they load a tile).
+_BAND_CASES = {
+    "key_lengths": dict(key_lengths=np.array([130, 300])),
+    "causal_top_left": dict(causal=True),
+    "window": dict(window=(20, 7)),
+    "window_and_key_lengths": dict(causal="bottom_right", window=(40, None), key_lengths=np.array([250, 161])),
+}
+_BQ, _BK = 97, 300  # (several key tiles, none full)
+
+
+def _band_unseen(opts: dict, nq: int, nk: int) -> np.ndarray:
+    """bool (B, 1, nk): the keys no row may see (from the float64 reference's own rule)."""
+    from pycudaflash.semantics import band, normalize_causal, normalize_window
+
+    lo, hi = band(nq, nk, normalize_causal(opts.get("causal", False)),
+                  *normalize_window(opts.get("window"))).key_range(0, nq, nk)
+    j = np.arange(nk)
+    seen = (j >= lo) & (j < hi)
+    kl = opts.get("key_lengths")
+    lengths = np.full(B, nk) if kl is None else np.asarray(kl)
+    return ~(seen[None, :] & (j[None, :] < lengths[:, None]))[:, None, :]
+
+
+@pytest.mark.parametrize("name", sorted(_BAND_CASES))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_unseen_keys_change_nothing_on_every_backend(backend: str, name: str, dtype: str) -> None:
+    import ml_dtypes
+
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    opts = _BAND_CASES[name]
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((B, H, n, 64)).astype(np_dtype) for n in (_BQ, _BK, _BK, _BQ))
+    unseen = _band_unseen(opts, _BQ, _BK)
+    assert unseen.any() and not unseen.all(), "the case must have seen and unseen keys"
+    results = []
+    for poison in (None, np.nan, np.inf):
+        kp, vp = (k, v) if poison is None else (_poisoned(k, unseen, poison), _poisoned(v, unseen, poison))
+        out, lse = flash_attn_forward(q, kp, vp, backend=backend, **opts)
+        grads = flash_attn_backward(do, q, kp, vp, out, lse, backend=backend, deterministic=True, **opts)
+        results.append((out, lse, *grads))
+    for dirty in results[1:]:
+        for a, b, what in zip(results[0], dirty, ("out", "lse", "dq", "dk", "dv")):
+            assert np.array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), equal_nan=True), \
+                f"{what} changed when the unseen keys hold NaN or Inf"
+    dk, dv = results[1][3], results[1][4]
+    mask = np.broadcast_to(unseen[..., None], dk.shape)
+    assert not np.asarray(dk, np.float64)[mask].any() and not np.asarray(dv, np.float64)[mask].any(), \
+        "an unseen key got a gradient"
+    assert np.isfinite(np.asarray(results[0][0], np.float64)).all()
