@@ -99,7 +99,12 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     const i64 row_base = ((i64)b * H + h) * Nq;
 
     const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi, DQ_BC);
-    const KeyRange kr = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
+    // The keys any row of the tile may see (the rest zero-filled), kept in
+    // shared memory: dQi takes the registers at large head dims.
+    __shared__ KeyRange seen;
+    if (tid == 0) seen = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi);
+    // seen is visible to every thread.
+    __syncthreads();
     const int tc_begin = kt.begin, tc_end = kt.end;
 
     // Row statistics of this thread's rows g and g+8.
@@ -127,6 +132,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     for (int tc = tc_begin; tc < tc_end; ++tc) {
         const int k0 = tc * DQ_BC;
         const int hk = kv_head(h, args.kv_group);  // the K/V head this query head reads
+        const KeyRange kr = seen;
         load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, k0, kr.hi, D,
                                      args.vec, tid, kr.lo);
         load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, k0, kr.hi, D,

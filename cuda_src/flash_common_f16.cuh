@@ -194,28 +194,41 @@ __device__ __forceinline__ int swz(int r, int c) {
 }
 constexpr bool SWIZZLED = true;  // (load_tile's layout argument)
 
+// load_tile's 16-byte copies; CHECKED: test each chunk's row and column
+// (zero-filling the invalid ones), else copy every chunk.
+template <int ROWS, int NTHREADS, bool SWZ, bool CHECKED>
+__device__ __forceinline__ void copy_chunks(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
+                                            int ncols, int tid, int row_lo) {
+    constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
+    constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int c = tid + it * NTHREADS;
+        if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
+            const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
+            const bool ok = !CHECKED || ((row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols));
+            const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
+            cp_async16((float *)(smem + (SWZ ? swz<ROWS>(r, col) : r * LDH + col)), (const float *)src, ok);
+        }
+    }
+}
+
 // Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
 // global matrix (row stride `stride` elements, rows [row_lo, nrows) and
 // `ncols` = D columns valid) into a shared tile, row-major [ROWS][LDH] or
 // (SWZ) swizzled; everything outside is zero-filled.  vec: 16-byte cp.async
 // (D % 8 == 0, 16-byte aligned base and row stride); otherwise element-wise
-// loads and stores (visible after the next barrier).
-template <int ROWS, int NTHREADS, bool SWZ = false>
+// loads and stores (visible after the next barrier).  WHOLE: a tile whose
+// every element is valid (the same answer in every thread) copies without a
+// test per chunk (a second copy loop: faster where registers allow it).
+template <int ROWS, int NTHREADS, bool SWZ = false, bool WHOLE = false>
 __device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows, int ncols,
                                           bool vec, int tid, int row_lo = 0) {
     if (vec) {
-        constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
-        constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
-#pragma unroll
-        for (int it = 0; it < ITERS; ++it) {
-            const int c = tid + it * NTHREADS;
-            if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
-                const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
-                const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
-                const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
-                cp_async16((float *)(smem + (SWZ ? swz<ROWS>(r, col) : r * LDH + col)), (const float *)src, ok);
-            }
-        }
+        if (WHOLE && row0 >= row_lo && row0 + ROWS <= nrows && ncols >= HEAD_DIM)
+            copy_chunks<ROWS, NTHREADS, SWZ, false>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo);
+        else
+            copy_chunks<ROWS, NTHREADS, SWZ, true>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo);
     } else {
         const elem_t zero = from_float(0.f);
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {

@@ -138,6 +138,13 @@ __device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&alpha)
     }
 }
 
+// Kj or Vj into a stage: keys k0..k0+BC-1, of which those in kr are copied
+// and the rest zero-filled (a tile inside kr without a test per chunk).
+__device__ __forceinline__ void load_kv(elem_t *stage, const elem_t *src, i64 stride, int k0, KeyRange kr, bool vec,
+                                        int D, int tid) {
+    load_tile<BC, FWD_THREADS, SWIZZLED, true>(stage, src, stride, k0, kr.hi, D, vec, tid, kr.lo);
+}
+
 // One job: query tile q0..q0+Br-1 of (batch b, head h) and the key tiles
 // [tc_begin, tc_begin + n_tiles) that any of its rows may see.
 struct FwdJob {
@@ -219,14 +226,11 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     auto load_first = [&](const elem_t *Qg, const elem_t *Kg, const elem_t *Vg, const FwdJob &jb, int sb) {
         const KeyRange kr = seen_keys(jb.q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
         load_tile<BR, FWD_THREADS, SWIZZLED>(Qi, Qg, args.q_sn, jb.q0, Nq, D, args.vec, tid);
-        load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + sb * BC * HDP, Kg, args.k_sn, jb.tc_begin * BC, kr.hi, D, args.vec,
-                                             tid, kr.lo);
+        load_kv(Ks + sb * BC * HDP, Kg, args.k_sn, jb.tc_begin * BC, kr, args.vec, D, tid);
         cp_async_commit();
-        load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + sb * BC * HDP, Vg, args.v_sn, jb.tc_begin * BC, kr.hi, D, args.vec,
-                                             tid, kr.lo);
+        load_kv(Vs + sb * BC * HDP, Vg, args.v_sn, jb.tc_begin * BC, kr, args.vec, D, tid);
         if (jb.n_tiles > 1)
-            load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (sb ^ 1) * BC * HDP, Kg, args.k_sn, (jb.tc_begin + 1) * BC,
-                                                 kr.hi, D, args.vec, tid, kr.lo);
+            load_kv(Ks + (sb ^ 1) * BC * HDP, Kg, args.k_sn, (jb.tc_begin + 1) * BC, kr, args.vec, D, tid);
         cp_async_commit();
     };
 
@@ -293,9 +297,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             __syncthreads();
             if (FWD_PERSIST && tid == 0 && j == n_tiles - 1) claim = atomicAdd(sched, 1);
             if (j + 1 < n_tiles)
-                load_tile<BC, FWD_THREADS, SWIZZLED>(Ks + (st ^ 1) * BC * HDP, Kg, args.k_sn, k0 + BC, kr.hi, D,
-                                                     args.vec, tid, kr.lo);
-            load_tile<BC, FWD_THREADS, SWIZZLED>(Vs + st * BC * HDP, Vg, args.v_sn, k0, kr.hi, D, args.vec, tid, kr.lo);
+                load_kv(Ks + (st ^ 1) * BC * HDP, Kg, args.k_sn, k0 + BC, kr, args.vec, D, tid);
+            load_kv(Vs + st * BC * HDP, Vg, args.v_sn, k0, kr, args.vec, D, tid);
             cp_async_commit();
 
             wgmma_fence();
