@@ -383,6 +383,10 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # (the next job's K/V head, computed under the last product, would spill
         # registers with a dense mask's addressing: one job a block there)
         out["FWD_PERSIST"] = int(t.fwd90_persist > 0 and not (groups and dense))
+        if MOD_CODE in out:
+            # (a modifier's code per score needs registers too: 64 keys a step,
+            # one job a block)
+            out["BC"], out["FWD_PERSIST"] = min(out["BC"], 64), 0
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"
