@@ -61,9 +61,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
-                                                        args.m_sb, args.m_sh, args.m_sq, args.m_sk,
-                                                        args.band_lo, args.band_hi, key_lengths, Nq, Nk);
+    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -106,7 +104,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
             dp, [&](int m, int k) { return dOi[(s_row + m) * LD_HEAD + k]; },
             [&](int k, int n) { return Vj[(s_col + n) * LD_HEAD + k]; }, ksteps_d, 8 * NT_S, lane);
 
-        // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di), into shared memory.
+        // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di) (through the
+        // score modifier), into shared memory.
         const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC);
 #pragma unroll
         for (int n = 0; n < NT_S; ++n) {
@@ -119,7 +118,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
                 const float l2 = Li[r];
                 const float p = (l2 == NEG_INF) ? 0.f : exp2f(x - l2);
                 Pij[r * LD_S + c] = p;
-                dSij[r * LD_S + c] = p * (dp[0][n][e] - Di[r]);
+                dSij[r * LD_S + c] = DS_THROUGH_SCORE_MOD(p * (dp[0][n][e] - Di[r]), s[0][n][e], blk.mp, blk.mask_bh,
+                                                          i0 + r, blk.k0 + c);
             }
         }
         // Pij and dSij are complete.

@@ -80,9 +80,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
-                                                         args.m_sb, args.m_sh, args.m_sq,
-                                                         args.m_sk, args.band_lo, args.band_hi, key_lengths, Nq, Nk);
+    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -140,8 +138,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
             for (int ks = 0; ks < HEAD_DIM / 16; ++ks)  // (zero-filled columns past D add nothing)
                 mma_s_dp_kstep<S_CHUNK / 2>(s, dp, Qi, dOi, Kj, Vj, s_row, s_col + 8 * c0, ks, lane);
 
-            // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di),
-            // rounded to elem_t into shared memory.
+            // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di)
+            // (through the score modifier), rounded to elem_t into shared memory.
 #pragma unroll
             for (int n = 0; n < S_CHUNK; ++n) {
 #pragma unroll
@@ -156,7 +154,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
                             need_mask ? masked_score(sv, args.scale_log2, blk.mp, blk.mask_bh, i0 + row, blk.k0 + c + e)
                                       : sv * args.scale_log2;
                         p[e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
-                        ds[e] = p[e] * (dp[n][2 * r + e] - di);
+                        ds[e] = DS_THROUGH_SCORE_MOD(p[e] * (dp[n][2 * r + e] - di), sv, blk.mp, blk.mask_bh, i0 + row,
+                                                     blk.k0 + c + e);
                     }
                     *reinterpret_cast<u32 *>(Pij + row * LDS + c) = pack2(p[0], p[1]);
                     *reinterpret_cast<u32 *>(dSij + row * LDS + c) = pack2(ds[0], ds[1]);

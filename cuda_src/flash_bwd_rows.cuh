@@ -92,9 +92,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
     const int row_w = 16 * warp;
 
-    const MaskParams mp =
-        mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi,
-                    key_length(key_lengths, b, Nk), Nq);
+    const MaskParams mp = mask_params(mask, args, key_length(key_lengths, b, Nk), Nq, b, h);
     const char *mask_bh = mask_head_base(mp, b, h);
     const i64 row_base = ((i64)b * H + h) * Nq;
 
@@ -162,7 +160,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
             mma_s_dp_kstep<DQ_BC / 16>(s[0], dp[0], Qi, dOi, Kj, Vj, row_w, 0, ks, lane);
 #endif
 
-        // dSij = Pij o (dPij - Di), kept in registers (C layout).
+        // dSij = Pij o (dPij - Di) (through the score modifier), kept in registers (C layout).
         const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC);
 #pragma unroll
         for (int n = 0; n < DQ_BC / 8; ++n) {
@@ -173,7 +171,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
                 const float x = need_mask ? masked_score(s[0][n][e], args.scale_log2, mp, mask_bh, i, j)
                                           : s[0][n][e] * args.scale_log2;
                 const float p = (l2[r] == NEG_INF) ? 0.f : softmax_exp2(x - l2[r]);
-                s[0][n][e] = p * (dp[0][n][e] - di[r]);
+                s[0][n][e] = DS_THROUGH_SCORE_MOD(p * (dp[0][n][e] - di[r]), s[0][n][e], mp, mask_bh, i, j);
             }
         }
 

@@ -226,9 +226,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, args.q_sb, args.q_sh, dO, args.do_sb, args.do_sh, mask,
-                                                         args.m_sb, args.m_sh, args.m_sq,
-                                                         args.m_sk, args.band_lo, args.band_hi, key_lengths, Nq, Nk);
+    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, n_q = blk.qt.end - blk.qt.begin;
 
 #if HEAD_DIM <= 128
@@ -332,6 +330,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             // A row that sees no key (Li = -inf) subtracts +inf instead, so that
             // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
             // that an unmasked tile pays one FFMA per score and no mask tests.
+#if SCORE_MOD
+            float slope[ST_REGS];  // the score modifier's slope at each Sij^T, for dSij^T
+#endif
             if (tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64)) {
 #pragma unroll
                 for (int n = 0; n < B90_BR / 8; ++n)
@@ -339,6 +340,10 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
                     for (int e = 0; e < 4; ++e) {
                         const int row = 8 * n + 2 * t + (e & 1);
                         const float l2 = Li[row], base = (l2 == NEG_INF) ? -NEG_INF : l2;
+#if SCORE_MOD
+                        slope[4 * n + e] = score_slope(sT[4 * n + e], blk.mp, blk.mask_bh, i0 + row,
+                                                       blk.k0 + key_w + 8 * (e >> 1));
+#endif
                         sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh,
                                                                i0 + row,
                                                                blk.k0 + key_w + 8 * (e >> 1)) - base);
@@ -355,13 +360,18 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             wgmma_wait<0>();  // dPij^T is done
             wgmma_hold(dpT);
 
-            // dSij^T = Pij^T o (dPij^T - Di); both rounded into A fragments
-            // (k step kk = query rows 16kk..16kk+15).
+            // dSij^T = Pij^T o (dPij^T - Di) (through the score modifier); both
+            // rounded into A fragments (k step kk = query rows 16kk..16kk+15).
 #pragma unroll
             for (int n = 0; n < B90_BR / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
+#if SCORE_MOD
+                    dpT[4 * n + e] = through_score_mod(sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]),
+                                                       slope[4 * n + e]);
+#else
                     dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - Di[8 * n + 2 * t + (e & 1)]);
+#endif
             pack_frags(pT, sT);
             pack_frags(dsT, dpT);
 
@@ -410,19 +420,26 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         // Pij = exp2(Sij * scale * log2(e) + bias - Li).
         const float l2[2] = {Li[row_t], Li[row_t + 8]};
         const bool need_mask = tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32);
+#if SCORE_MOD
+        float slope[16];  // the score modifier's slope at each Sij, for dSij
+#endif
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = need_mask ? masked_score(s[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh,
-                                                         i0 + row_t + 8 * (e >> 1), blk.k0 + key_t + 8 * n + (e & 1))
+                const int row = i0 + row_t + 8 * (e >> 1), key = blk.k0 + key_t + 8 * n + (e & 1);
+#if SCORE_MOD
+                slope[4 * n + e] = score_slope(s[4 * n + e], blk.mp, blk.mask_bh, row, key);
+#endif
+                const float x = need_mask ? masked_score(s[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh, row, key)
                                           : s[4 * n + e] * args.scale_log2;
                 s[4 * n + e] = (l2[e >> 1] == NEG_INF) ? 0.f : exp2_fast(x - l2[e >> 1]);
             }
         wgmma_wait<0>();  // dPij is done
         wgmma_hold(dp);
 
-        // dSij = Pij o (dPij - Di); Pij and dSij rounded into shared memory.
+        // dSij = Pij o (dPij - Di) (through the score modifier); Pij and dSij
+        // rounded into shared memory.
         const float di[2] = {Di[row_t], Di[row_t + 8]};
 #pragma unroll
         for (int n = 0; n < 4; ++n)
@@ -430,9 +447,13 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             for (int r = 0; r < 2; ++r) {
                 const int off = swz<B90_BR>(row_t + 8 * r, key_t + 8 * n);
                 const float p0 = s[4 * n + 2 * r], p1 = s[4 * n + 2 * r + 1];
+                float ds0 = p0 * (dp[4 * n + 2 * r] - di[r]), ds1 = p1 * (dp[4 * n + 2 * r + 1] - di[r]);
+#if SCORE_MOD
+                ds0 = through_score_mod(ds0, slope[4 * n + 2 * r]);
+                ds1 = through_score_mod(ds1, slope[4 * n + 2 * r + 1]);
+#endif
                 *reinterpret_cast<u32 *>(Ps + off) = pack2(p0, p1);
-                *reinterpret_cast<u32 *>(dSs + off) =
-                    pack2(p0 * (dp[4 * n + 2 * r] - di[r]), p1 * (dp[4 * n + 2 * r + 1] - di[r]));
+                *reinterpret_cast<u32 *>(dSs + off) = pack2(ds0, ds1);
             }
         fence_proxy_async();
         // Pij and dSij of both warpgroups are visible to the tensor cores.

@@ -5,6 +5,10 @@
 //              are zero-filled in shared memory and never stored.
 //   MASK_MODE  0: no dense mask, 1: bool mask (1 = attend), 2: float mask
 //              (added to the scaled scores).
+//   SCORE_MOD, MASK_MOD  1: a score modifier (score_mod, score_mod_slope) or
+//              a mask modifier (mask_mod) is compiled in; their device code,
+//              ModTensors and its helpers come first in the variant's source
+//              (pycudaflash.mods.kernel_code).
 //
 // Matrix products run on the tensor cores as split TF32 ("3xTF32"): each float
 // x is split into a TF32 "big" part hi = rna(x) and a "small" part lo = x - hi
@@ -34,6 +38,10 @@
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM >= 32 && HEAD_DIM <= 256,
               "HEAD_DIM is a multiple of 32 in [32, 256]");
 static_assert(MASK_MODE >= 0 && MASK_MODE <= 2, "MASK_MODE is 0, 1 or 2");
+#if !defined(SCORE_MOD) || !defined(MASK_MOD)
+#error "SCORE_MOD and MASK_MOD must be defined (pycudaflash.compiler.defines)"
+#endif
+#define MODS (SCORE_MOD || MASK_MOD)  // a modifier is compiled in
 
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -241,18 +249,37 @@ struct MaskParams {
     int band_lo, band_hi;    // row i sees keys i + band_lo <= j <= i + band_hi
     int kl;                  // keys j >= kl are padding (key length)
     int nq;                  // rows i >= nq do not exist
+#if MODS
+    int b, h;                // batch element and head (of the modifiers)
+    float scale;             // softmax scale: the score modifier's score is scale * q.k (+ bias)
+    const ModTensors *mods;  // the modifiers' tensors (in the parameter struct)
+#endif
 };
 
-// The masking rules of a call for one (batch, head): band, key length kl
-// (see key_length) and dense mask.
-__device__ __forceinline__ MaskParams mask_params(const void *mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                                                  int band_lo, int band_hi, int kl, int nq) {
+// The batch element b and head h the modifiers see.
+__device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
+#if MODS
+    mp.b = b, mp.h = h;
+#else
+    (void)mp; (void)b; (void)h;
+#endif
+}
+
+// The masking rules of a call for one (batch b, head h): band, key length kl
+// (see key_length), dense mask and modifiers.
+__device__ __forceinline__ MaskParams mask_params(const void *mask, const AttnParams &args, int kl, int nq, int b,
+                                                  int h) {
     MaskParams mp;
     mp.mask = mask;
-    mp.m_sb = m_sb; mp.m_sh = m_sh; mp.m_sq = m_sq; mp.m_sk = m_sk;
-    mp.band_lo = band_lo; mp.band_hi = band_hi;
+    mp.m_sb = args.m_sb; mp.m_sh = args.m_sh; mp.m_sq = args.m_sq; mp.m_sk = args.m_sk;
+    mp.band_lo = args.band_lo; mp.band_hi = args.band_hi;
     mp.kl = kl;
     mp.nq = nq;
+#if MODS
+    mp.scale = args.scale;
+    mp.mods = &args.mods;
+#endif
+    mask_head(mp, b, h);
     return mp;
 }
 
@@ -296,11 +323,25 @@ __device__ __forceinline__ TileRange query_tiles(int k0, int cols, int nq, int k
 }
 
 // Does the band + key length + row range hide any element of the tile
-// [i0, i0 + rows) x [j0, j0 + cols)?  (A dense mask is always applied.)
+// [i0, i0 + rows) x [j0, j0 + cols)?  (A dense mask and the modifiers are
+// always applied.)
 __device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
-    return MASK_MODE != 0 || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
+    return MODS || MASK_MODE != 0 || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
            j0 + cols - 1 > i0 + mp.band_hi;
 }
+
+#if SCORE_MOD
+// The score of element (i, j) before the score modifier, in natural units:
+// scale * s (+ the float mask's bias).
+__device__ __forceinline__ float unmodified_score(float s, const MaskParams &mp, const char *mask_base, int i,
+                                                  int j) {
+    float x = s * mp.scale;
+#if MASK_MODE == 2
+    x += *((const float *)mask_base + (i64)i * mp.m_sq + (i64)j * mp.m_sk);
+#endif
+    return x;
+}
+#endif
 
 // Scaled score of element (i, j) in log2 units, or -inf where it is masked.
 // `mask_base` already points at batch b, head h of the dense mask.
@@ -308,16 +349,44 @@ __device__ __forceinline__ float masked_score(float s, float scale_log2, const M
                                               const char *mask_base, int i, int j) {
     const bool in_band = (j < mp.kl) && (i < mp.nq) && (j >= i + mp.band_lo) && (j <= i + mp.band_hi);
     if (!in_band) return NEG_INF;
+#if MASK_MOD
+    // The mask modifier excludes like the other conditions.
+    if (!mask_mod(0.f, mp.b, mp.h, i, j, *mp.mods)) return NEG_INF;
+#endif
     float x = s * scale_log2;
 #if MASK_MODE == 1
     const unsigned char keep = *((const unsigned char *)mask_base + (i64)i * mp.m_sq + (i64)j * mp.m_sk);
     if (!keep) return NEG_INF;
-#elif MASK_MODE == 2
+#elif MASK_MODE == 2 && !SCORE_MOD
     const float bias = *((const float *)mask_base + (i64)i * mp.m_sq + (i64)j * mp.m_sk);
     x = fmaf(bias, LOG2E, x);
 #endif
+#if SCORE_MOD
+    // The score modifier replaces the (biased) score, in natural units.
+    x = score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods) * LOG2E;
+#endif
     return x;
 }
+
+#if SCORE_MOD
+// d(score_mod)/d(score) of element (i, j) at its unmodified score.
+__device__ __forceinline__ float score_slope(float s, const MaskParams &mp, const char *mask_base, int i, int j) {
+    return score_mod_slope(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods);
+}
+
+// dS of an element through the score modifier: dS times its slope (nothing
+// flows where dS is 0, whatever the slope there).
+__device__ __forceinline__ float through_score_mod(float ds, float slope) { return (ds == 0.f) ? 0.f : ds * slope; }
+#endif
+
+// The backward's hook: dS of element (i, j) (score s = q.k) through the
+// score modifier; dS itself without one.
+#if SCORE_MOD
+#define DS_THROUGH_SCORE_MOD(ds, s, mp, mask_base, i, j) \
+    through_score_mod((ds), score_slope((s), (mp), (mask_base), (i), (j)))
+#else
+#define DS_THROUGH_SCORE_MOD(ds, s, mp, mask_base, i, j) (ds)
+#endif
 
 // Base of the dense mask at (b, h), as bytes; nullptr without a dense mask.
 __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int b, int h) {
@@ -350,18 +419,17 @@ struct KeyTile {
 };
 
 template <int KEYS, int ROWS, typename T>
-__device__ __forceinline__ KeyTile<T> key_tile(const T *Q, i64 q_sb, i64 q_sh, const T *dO, i64 do_sb, i64 do_sh,
-                                               const void *mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, int band_lo,
-                                               int band_hi, const int *key_lengths, int Nq, int Nk) {
+__device__ __forceinline__ KeyTile<T> key_tile(const T *Q, const T *dO, const void *mask, const int *key_lengths,
+                                               int Nq, int Nk, const AttnParams &args) {
     KeyTile<T> blk;
     blk.h = blockIdx.x, blk.b = blockIdx.y, blk.H = gridDim.x;
     blk.k0 = blockIdx.z * KEYS;
-    blk.mp = mask_params(mask, m_sb, m_sh, m_sq, m_sk, band_lo, band_hi, key_length(key_lengths, blk.b, Nk), Nq);
+    blk.mp = mask_params(mask, args, key_length(key_lengths, blk.b, Nk), Nq, blk.b, blk.h);
     blk.mask_bh = mask_head_base(blk.mp, blk.b, blk.h);
-    blk.Qg = Q + (i64)blk.b * q_sb + (i64)blk.h * q_sh;
-    blk.dOg = dO + (i64)blk.b * do_sb + (i64)blk.h * do_sh;
+    blk.Qg = Q + (i64)blk.b * args.q_sb + (i64)blk.h * args.q_sh;
+    blk.dOg = dO + (i64)blk.b * args.do_sb + (i64)blk.h * args.do_sh;
     blk.row_base = ((i64)blk.b * blk.H + blk.h) * Nq;
-    blk.qt = query_tiles(blk.k0, KEYS, Nq, blk.mp.kl, band_lo, band_hi, ROWS);
+    blk.qt = query_tiles(blk.k0, KEYS, Nq, blk.mp.kl, args.band_lo, args.band_hi, ROWS);
     return blk;
 }
 

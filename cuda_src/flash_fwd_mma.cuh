@@ -71,9 +71,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // Launch the last query tiles first: under a causal mask they are the longest.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
 
-    const MaskParams mp =
-        mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi,
-                    key_length(key_lengths, b, Nk), Nq);
+    const MaskParams mp = mask_params(mask, args, key_length(key_lengths, b, Nk), Nq, b, h);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * args.q_sb + (i64)h * args.q_sh;

@@ -212,8 +212,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int g = lane >> 2, t = lane & 3;
     const int n_qt = (Nq + BR - 1) / BR;
 
-    // (kl: per job)
-    MaskParams mp = mask_params(mask, args.m_sb, args.m_sh, args.m_sq, args.m_sk, args.band_lo, args.band_hi, Nk, Nq);
+    // (kl, b, h: per job)
+    MaskParams mp = mask_params(mask, args, Nk, Nq, 0, 0);
 
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
@@ -251,6 +251,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         int claim = 0;
         if (FWD_PERSIST && tid == 0 && jb.n_tiles <= 1) claim = atomicAdd(sched, 1);
         mp.kl = jb.kl;
+        mask_head(mp, jb.b, jb.h);
         const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
         const elem_t *Qg = Q + (i64)jb.b * args.q_sb + (i64)jb.h * args.q_sh;
         const int hk = kv_head(jb.h, args.kv_group);  // the K/V head this job reads

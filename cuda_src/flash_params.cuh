@@ -9,8 +9,10 @@
 // pycudaflash.compiler reads the fields and their C layout from this file
 // and the launch code fills them by name (pycudaflash.cuda_backend), one
 // struct per call signature shared by all its kernels; a field that a pass
-// does not use stays 0.  Fields are i64, int, u32 or float, one declaration
-// a line or several names of one type.
+// does not use stays 0.  Fields are i64, int, u32, float, unsigned long
+// long or a struct of the source, arrays of those, one declaration a line or
+// several names of one type; `#if` lines over the variant's defines may
+// leave fields out.
 //
 // Strides are in elements: x_sb, x_sh, x_sn step array x by one batch, head
 // and row (its last dimension is contiguous); a dense mask has m_sb, m_sh,
@@ -38,7 +40,8 @@ struct AttnParams {
 
     // Backward: dO, dQ; dK, dV as the dK/dV kernel writes them (dkh, dvh:
     // per query head, in the workspace with grouped K/V heads) and as the
-    // caller receives them (dk, dv); the softmax scale; rows B * H * Nq.
+    // caller receives them (dk, dv); the softmax scale (also the forward's,
+    // with a score modifier); rows B * H * Nq.
     i64 do_sb, do_sh, do_sn;
     i64 dq_sb, dq_sh, dq_sn;
     i64 dkh_sb, dkh_sh, dkh_sn;
@@ -55,4 +58,10 @@ struct AttnParams {
     // size 1 on broadcast dimensions): its strides, that shape.
     i64 src_sb, src_sh, src_sq, src_sk;
     i64 mask_n1, mask_n2, mask_n3, mask_total;
+
+#if SCORE_MOD || MASK_MOD
+    // The tensors the score and mask modifiers read (their data addresses
+    // written by each call).
+    ModTensors mods;
+#endif
 };

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional, Tuple
 
-from ._problem import NUMPY_ONLY, Problem
+from ._problem import Problem
 
 BACKENDS = ("cuda", "numpy")
 
@@ -54,6 +54,4 @@ def choose_backend(prob: Problem, backend: Optional[str], stream: Any) -> str:
     usable, reason = cuda_status()
     if backend == "cuda" and not usable:
         raise RuntimeError(f"backend='cuda' was requested but {reason}")
-    if usable and not prob.plain:
-        raise ValueError(NUMPY_ONLY)
     return "cuda" if usable else "numpy"

@@ -3,7 +3,8 @@
 A call on device arrays is described by its *signature*: for every array its
 kind, shape, strides, dtype and the low four bits of its address (which
 decide alignment and the 16-byte loads), plus the options, whether host key
-lengths are given, and the context.  The first call of a signature is validated in
+lengths are given, the modifiers and their tensors' layouts
+(:func:`mods_key`), and the context.  The first call of a signature is validated in
 full (``pycudaflash._validate``) and leaves its plan
 (:class:`pycudaflash.cuda_backend.ForwardPlan`/``BackwardPlan``) here; a
 later call of the same signature only reads its pointers, checks that no
@@ -65,6 +66,48 @@ def host_key_lengths(key_lengths: Any, plan: Any) -> Optional[np.ndarray]:
     if key_lengths is None:
         return None
     return _validate.host_key_lengths(key_lengths, plan.dims[0], plan.dims[3])
+
+
+def mods_key(score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None) -> Any:
+    """The modifiers of a call in a signature: their text (a Modifier's text, role and tensor
+    signature, which decide its translation) and each tensor's layout (a device tensor's
+    metadata, or a host one's shape and dtype); None without modifiers, and a key that no other
+    call shares where they are of other kinds (validation then words the error)."""
+    if score_mod is None and mask_mod is None and mod_tensors is None:
+        return None
+    from .mods import Modifier
+
+    texts = []
+    for m in (score_mod, mask_mod):
+        if m is None or isinstance(m, str):
+            texts.append(m)
+        elif isinstance(m, Modifier):
+            texts.append((m.src, m.role, tuple(sorted(m.signature.items()))))
+        else:
+            return object()
+    if mod_tensors is not None and not isinstance(mod_tensors, dict):
+        return object()
+    tensors = []
+    for name, t in sorted((mod_tensors or {}).items(), key=lambda item: str(item[0])):
+        d = describe(t)
+        tensors.append((name, d[0] if d is not None else ("host", tuple(np.shape(t)), str(getattr(t, "dtype", "")))))
+    key = (*texts, tuple(tensors))
+    try:
+        hash(key)
+    except TypeError:
+        return object()
+    return key
+
+
+def mod_values(plan: Any, mod_tensors: Any) -> List[Any]:
+    """A repeated call's modifier tensors in its plan's slots: device addresses, or host arrays in
+    the kernels' element types (:func:`pycudaflash.cuda_backend.mod_values`)."""
+    out: List[Any] = []
+    for name in plan.mod_names:
+        t = mod_tensors[name]
+        d = describe(t)
+        out.append(d[1] if d is not None else _validate.kernel_array(name, t))
+    return out
 
 
 def signature(kind: str, arrays: Sequence[Any], options: Tuple[Any, ...], key_lengths: Any

@@ -40,11 +40,6 @@ class Operand:
         return self.kind == "device"
 
 
-#: Why a call with modifiers is refused where the CUDA kernels would run it.
-NUMPY_ONLY = ("score_mod and mask_mod run on the NumPy backend only so far: "
-              "pass numpy arrays (or torch CPU tensors) with backend='numpy'")
-
-
 @dataclass(frozen=True)
 class Problem:
     """A validated forward or backward call.
@@ -52,7 +47,9 @@ class Problem:
     Shapes: q (B, H, Nq, D); k, v (B, Hkv, Nk, D) with ``Hkv`` dividing ``H``
     (query head ``h`` reads K/V head ``h // (H // Hkv)``); out like q; lse
     (B, H, Nq).  ``score_mod``/``mask_mod`` are :class:`pycudaflash.mods.Modifier`
-    objects reading the host arrays of ``mod_tensors``.
+    objects reading the tensors of ``mod_tensors``: host arrays as given in a
+    host call; in a device call, device arrays as :class:`Operand` (float32,
+    int32 or bool) and host arrays converted to those types.
     ``mask`` is already broadcast to (B, H, Nq, Nk) (zero strides where the
     caller's mask had size-1 or missing dimensions).  ``key_lengths`` is a
     validated host int32 array of shape (B,) with values in [0, Nk].

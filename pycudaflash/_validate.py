@@ -17,7 +17,7 @@ import numpy as np
 
 from . import semantics
 from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only, overlaps
-from ._problem import NUMPY_ONLY, Operand, Problem
+from ._problem import Operand, Problem
 
 __all__ = [
     "LSE_DTYPE",
@@ -494,9 +494,7 @@ def _make_problem(
     mask_op, mask_kind = _check_mask(ops["mask"], dims, dtype)
     lengths = _check_key_lengths(key_lengths, dims, opaque_dtype)
     q = ops["q"]
-    score_mod, mask_mod, tensors = _check_mods(*mods)
-    if q.on_device and (score_mod is not None or mask_mod is not None):
-        raise ValueError(NUMPY_ONLY)
+    score_mod, mask_mod, tensors = _check_mods(*mods, on_device=q.on_device)
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
         scale=scale_value, causal=causal_mode, window_left=left, window_right=right,
@@ -509,21 +507,31 @@ def _make_problem(
     )
 
 
-def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any) -> Tuple[Any, Any, Optional[dict]]:
-    """The modifiers as :class:`pycudaflash.mods.Modifier` objects and their tensors as host arrays."""
+def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool = False
+                ) -> Tuple[Any, Any, Optional[dict]]:
+    """The modifiers as :class:`pycudaflash.mods.Modifier` objects and their tensors: host arrays as
+    given for a host call; for a device call, device arrays (float32, int32 or bool, on the
+    call's device) as :class:`Operand` and host arrays in those types (:func:`kernel_array`)."""
     if mod_tensors is not None and not isinstance(mod_tensors, Mapping):
         raise TypeError(f"mod_tensors must be a mapping of names to arrays, got {type(mod_tensors).__name__}")
     if score_mod is None and mask_mod is None:
         if mod_tensors:
             raise ValueError("mod_tensors given without a score_mod or mask_mod")
         return None, None, None
-    from .mods import Modifier
+    from .mods import Modifier, _describe
 
-    tensors = {}
+    described, tensors = {}, {}
     for name, t in (mod_tensors or {}).items():
         if getattr(t, "__cuda_array_interface__", None) is not None or getattr(t, "is_cuda", False):
-            raise TypeError(f"mod_tensors[{name!r}] is a device array; {NUMPY_ONLY}")
-        tensors[name] = np.asarray(t)
+            if not on_device:
+                raise TypeError(f"mod_tensors[{name!r}] is a device array but q, k and v are host arrays")
+            described[name], tensors[name] = t, _device_mod_tensor(name, t)
+        else:
+            a = np.asarray(t)
+            described[name] = a
+            tensors[name] = kernel_array(name, a) if on_device else a
+        if any(int(n) < 1 for n in np.shape(described[name])):
+            raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(np.shape(described[name]))}")
     out = []
     for m, role in ((score_mod, "score"), (mask_mod, "mask")):
         if m is None:
@@ -534,12 +542,50 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any) -> Tuple[Any, A
             missing = set(m.signature) - set(tensors)
             if missing:
                 raise ValueError(f"{role}_mod reads mod_tensors {sorted(missing)}, which were not given")
+            for name, want in m.signature.items():
+                got = _describe(name, described[name])
+                if got != want:
+                    raise ValueError(f"{role}_mod was made for mod_tensors[{name!r}] of kind and dimensions {want}, "
+                                     f"given {got}")
             out.append(m)
         elif isinstance(m, str):
-            out.append(Modifier(m, tensors, role))
+            out.append(Modifier(m, described, role))
         else:
             raise TypeError(f"{role}_mod must be a string expression or a Modifier, got {type(m).__name__}")
     return out[0], out[1], tensors
+
+
+#: Element type of each kind of modifier tensor in the kernels (pycudaflash.mods.tensor_kind).
+_KERNEL_DTYPES = {"float": np.dtype(np.float32), "int": np.dtype(np.int32), "bool": np.dtype(np.bool_)}
+
+
+def kernel_dtype(dtype: Any) -> np.dtype:
+    """The element type the kernels read a modifier tensor of ``dtype`` in: float32, int32 or bool."""
+    from .mods import tensor_kind
+
+    return _KERNEL_DTYPES[tensor_kind(dtype)]
+
+
+def kernel_array(name: str, a: Any) -> np.ndarray:
+    """A host modifier tensor as the kernels read it: C-contiguous float32, int32 or bool (ints
+    must fit int32)."""
+    a = np.asarray(a)
+    want = kernel_dtype(a.dtype)
+    if want == np.int32 and a.dtype != np.int32 and a.size and (a.min() < -2**31 or a.max() >= 2**31):
+        raise ValueError(f"mod_tensors[{name!r}]: the kernels read ints as int32, and its values do not fit")
+    return np.ascontiguousarray(a, dtype=want)
+
+
+def _device_mod_tensor(name: str, t: Any) -> Operand:
+    """A device modifier tensor as an :class:`Operand`: float32, int32 or bool, strides >= 0."""
+    label = f"mod_tensors[{name!r}]"
+    op = as_operand(t, label)
+    if op.dtype not in _KERNEL_DTYPES.values():
+        raise TypeError(f"{label}: device tensors must be float32, int32 or bool (the kernels read them in place), "
+                        f"got {op.dtype}")
+    if any(s < 0 for s in op.strides):
+        raise ValueError(f"{label} has a negative stride {op.strides}")
+    return op
 
 
 def _normalize_scale(scale: Any, head_dim: int) -> float:

@@ -101,7 +101,7 @@ def flash_attn_forward(
         ``score_mod="30 * tanh(score / 30)"`` or
         ``mask_mod="doc[b, i] == doc[b, j]"``: the score modifier replaces
         each scaled (and biased) score, the mask modifier excludes where it
-        is False.  NumPy backend only so far.
+        is False.
     mod_tensors : mapping of str to array, optional
         The host arrays the modifiers read by name.
 
@@ -123,7 +123,7 @@ def flash_attn_forward(
     return _run("fwd", (q, k, v, out, lse, mask), (causal, window, scale, backend, dtype), key_lengths, stream,
                 backend, lambda: _validate.validate_forward(
                     q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), _without_mods(mods))
+                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), mods)
 
 
 def flash_attn_backward(
@@ -196,23 +196,19 @@ def flash_attn_backward(
                 lambda: _validate.validate_backward(
                     dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
                     key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), _without_mods(mods))
-
-
-def _without_mods(mods: Dict[str, Any]) -> bool:
-    """No modifier: a call the fast path may serve."""
-    return mods["score_mod"] is None and mods["mask_mod"] is None and mods["mod_tensors"] is None
+                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), mods)
 
 
 def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengths: Any, stream: Any,
-         backend: Optional[str], validate: Callable[[], Any], plain: bool = True) -> Tuple[Any, ...]:
+         backend: Optional[str], validate: Callable[[], Any], mods: Dict[str, Any]) -> Tuple[Any, ...]:
     """A pass of the plain API: a repeated call of a planned signature launches at once (outputs
     allocated or checked for overlap by address range); any other is validated, then run.
 
     ``arrays``: the pass's operands in the order of ``cuda_backend.OPERANDS[kind]`` (None where
-    absent); ``validate()`` returns the call's Problem.
+    absent); ``validate()`` returns the call's Problem; ``mods``: the modifier arguments.
     """
-    sig = None if backend == "numpy" or not plain else _calls.signature(kind, arrays, options, key_lengths)
+    sig = None if backend == "numpy" else _calls.signature(kind, arrays, options + (_calls.mods_key(**mods),),
+                                                           key_lengths)
     if sig is not None:
         key, ptrs, ctx, pushed = sig
         try:
@@ -224,7 +220,8 @@ def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengt
                 if (all(arrays[i] is None for i in plan.OUTPUTS)
                         or _calls.outputs_disjoint(ptrs, spans, plan.OUTPUTS)):
                     return cuda_backend.launch(plan, ctx, device, cuda_backend.stream_for(stream, arrays[0]), ptrs,
-                                               arrays, kl_host=_calls.host_key_lengths(key_lengths, plan))
+                                               arrays, kl_host=_calls.host_key_lengths(key_lengths, plan),
+                                               mods=_calls.mod_values(plan, mods["mod_tensors"]))
         finally:
             _driver.leave(pushed)
     prob = validate()

@@ -5,9 +5,12 @@ This module is the only place that knows how a kernel variant is built:
 * a *variant* is one pass (:data:`PASSES`: ``'fwd'``/``'bwd'`` for float32,
   ``'*_f16'`` for float16/bfloat16 with ``mma.sync``, ``'*_sm90'`` for
   float16/bfloat16 with Hopper's ``wgmma``) plus its ``-D`` defines (head-dim
-  bucket, mask mode, dtype, tile sizes: :func:`defines`) and the layout
-  constants every variant shares (:data:`LAYOUT`); the kernels define none
-  of these themselves (``#error`` where one is missing);
+  bucket, mask mode, dtype, tile sizes, modifiers: :func:`defines`) and the
+  layout constants every variant shares (:data:`LAYOUT`); the kernels define
+  none of these themselves (``#error`` where one is missing).  A variant with
+  score or mask modifiers also carries their device code
+  (``defs[MOD_CODE]``, :func:`pycudaflash.mods.kernel_code`), which comes
+  first in its source (:func:`variant_source`);
 * a kernel takes its arrays as ``__restrict__`` pointers, then at most the
   sizes Nq, Nk, D, then one struct of ``cuda_src/flash_params.cuh``; the
   launch code fills all of them by the names and C layout read from the
@@ -15,7 +18,7 @@ This module is the only place that knows how a kernel variant is built:
   tile, shared memory) the kernel states in its cubin (:func:`kernel_shape`);
 * its source is the pass's ``.cu`` file with the ``cuda_src/`` headers it
   includes inlined (:func:`source`), so that PyCUDA's disk cache,
-  keyed on the text, notices an edit in any of them;
+  keyed on the text, notices an edit in any of them (or another modifier);
 * it is compiled to a cubin by PyCUDA's ``compile`` with ``no_extern_c=True``
   for the current device's architecture (``sm_90a`` for the ``*_sm90``
   passes), cached on disk by PyCUDA (``cache_dir()``), loaded through the
@@ -70,16 +73,17 @@ HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
 WG_THREADS = 128  # threads of a warpgroup
 
 
-def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none") -> bool:
-    """Whether the Hopper version of pass ``kind`` covers a head-dim bucket and mask kind.
+def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none", mods: bool = False) -> bool:
+    """Whether the Hopper version of pass ``kind`` covers a head-dim bucket and mask kind (and
+    modifiers, ``mods``).
 
     At head dim 128 the backward keeps dK and dV of 64 keys in one
-    warpgroup's registers; a float mask's addressing would then spill, so
-    that one case stays on the mma.sync kernel.
+    warpgroup's registers; a float mask's addressing, or a modifier's,
+    would then spill, so that case stays on the mma.sync kernel.
     """
     if kind == "fwd":
         return True
-    return not (head_dim == 128 and mask_kind == "float")
+    return not (head_dim == 128 and (mask_kind == "float" or mods))
 
 
 #: Input dtypes the kernels implement.
@@ -106,12 +110,12 @@ HALF_BYTES = 2
 
 
 def pass_name(kind: str, dtype: str, arch: Optional[str] = None, head_dim: Optional[int] = None,
-              mask_kind: str = "none", hopper: Optional[bool] = None) -> str:
+              mask_kind: str = "none", hopper: Optional[bool] = None, mods: bool = False) -> str:
     """Pass for ``kind`` ('fwd' or 'bwd'), an input dtype name and an architecture.
 
     On Hopper (``arch`` in :data:`HOPPER_ARCHES`) the 16-bit passes with a
-    wgmma version use it where it covers the head-dim bucket and mask kind
-    (:func:`hopper_serves`), unless ``hopper`` is False (default:
+    wgmma version use it where it covers the head-dim bucket, mask kind and
+    modifiers (:func:`hopper_serves`), unless ``hopper`` is False (default:
     ``$PYCUDAFLASH_WGMMA``, see :func:`use_hopper_kernels`).
     """
     if dtype not in DTYPES:
@@ -121,7 +125,7 @@ def pass_name(kind: str, dtype: str, arch: Optional[str] = None, head_dim: Optio
     if hopper is None:
         hopper = use_hopper_kernels()
     if (arch in HOPPER_ARCHES and kind in HOPPER_PASSES and hopper
-            and (head_dim is None or hopper_serves(kind, head_dim, mask_kind))):
+            and (head_dim is None or hopper_serves(kind, head_dim, mask_kind, mods))):
         return HOPPER_PASSES[kind]
     return f"{kind}_f16"
 
@@ -338,10 +342,16 @@ def kernel_shape(pass_: str, defs: Dict[str, int], kernel: str) -> KernelShape:
     return shape_from_cubin(get_module(pass_, defs).image, kernel)
 
 
+#: The entry of a variant's defines that holds its modifiers' device code (no ``-D``).
+MOD_CODE = "MOD_CODE"
+
+
 def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
-            arch: Optional[str] = None, groups: bool = False) -> Dict[str, int]:
+            arch: Optional[str] = None, groups: bool = False, mods: Tuple[Any, Any] = (None, None)) -> Dict[str, Any]:
     """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes;
-    ``groups``: k and v have fewer heads than q)."""
+    ``groups``: k and v have fewer heads than q; ``mods``: the score and mask
+    :class:`pycudaflash.mods.Modifier`, or None), and with modifiers their device code
+    (``MOD_CODE``)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
     half = pass_ != "fwd" and pass_ != "bwd"
@@ -350,7 +360,13 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     if head_dim not in buckets(dtype):
         raise ValueError(f"head dim {head_dim} is not a bucket {buckets(dtype)}")
     t = tiles(head_dim, dtype, arch)
-    out = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind], "KV_GROUPS": int(groups)}
+    score, mask = mods
+    out: Dict[str, Any] = {"HEAD_DIM": head_dim, "MASK_MODE": MASK_MODES[mask_kind], "KV_GROUPS": int(groups),
+                           "SCORE_MOD": int(score is not None), "MASK_MOD": int(mask is not None)}
+    if score is not None or mask is not None:
+        from .mods import kernel_code
+
+        out[MOD_CODE] = kernel_code(score, mask)[1]
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
         out["LEAN_REGISTERS"] = int(_lean(arch))  # (the register budget class of the architecture)
@@ -360,19 +376,25 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # A dense mask's addressing needs registers: D 256 then takes 32 keys a
         # step, and the tighter register budgets of 3 warpgroups (168) or 2
         # blocks per SM (128) would spill.
-        dense = mask_kind != "none"
+        dense = mask_kind != "none" or MOD_CODE in out  # (a modifier's code counts as a dense mask's)
         out["BC"] = min(t.fwd90_bc, 32) if (dense and head_dim > 192) else t.fwd90_bc
         out["FWD_WGS"] = min(t.fwd90_wgs, 2) if dense else t.fwd90_wgs
         out["FWD_MINB"] = 1 if dense else t.fwd90_minb
         # (the next job's K/V head, computed under the last product, would spill
         # registers with a dense mask's addressing: one job a block there)
         out["FWD_PERSIST"] = int(t.fwd90_persist > 0 and not (groups and dense))
+        if MOD_CODE in out:
+            # (a modifier's code per score needs registers too: 64 keys a step,
+            # one job a block)
+            out["BC"], out["FWD_PERSIST"] = min(out["BC"], 64), 0
     elif pass_ == "bwd_sm90":
-        if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind):
-            raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}")
-        # 3 warpgroups only where 168 registers suffice (not with a dense mask)
-        # and for the layout up to head dim 128.
-        wgs = t.bwd90_wgs if (mask_kind == "none" and head_dim <= 128) else min(t.bwd90_wgs, 2)
+        if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out):
+            raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"
+                             + (" and modifiers" if MOD_CODE in out else ""))
+        # 3 warpgroups only where 168 registers suffice (not with a dense mask
+        # or modifiers) and for the layout up to head dim 128.
+        plain = mask_kind == "none" and MOD_CODE not in out
+        wgs = t.bwd90_wgs if (plain and head_dim <= 128) else min(t.bwd90_wgs, 2)
         out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
     elif pass_.startswith("fwd"):
         out.update(BC=t.fwd_bc, FWD_WARPS=t.fwd_warps)
@@ -419,6 +441,13 @@ def source(pass_: str) -> str:
     return "\n".join(_flatten(PASSES[pass_], kdir, seen)) + "\n"
 
 
+def variant_source(pass_: str, defs: Dict[str, Any]) -> str:
+    """The source a variant is compiled from: its modifiers' device code (``defs[MOD_CODE]``, if
+    any) and then the pass's :func:`source`."""
+    code = defs.get(MOD_CODE)
+    return (f'#line 1 "modifiers"\n{code}' if code else "") + source(pass_)
+
+
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
@@ -444,7 +473,8 @@ def _flatten(name: str, kdir: Path, seen: set) -> List[str]:
 #: C types of the fields of a parameter struct and of a kernel's scalar parameters, with the
 #: ctypes type that lays them out as the C compilers do.
 FIELD_TYPES: Dict[str, Any] = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "int": ctypes.c_int32,
-                               "u32": ctypes.c_uint32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float}
+                               "u32": ctypes.c_uint32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float,
+                               "unsigned long long": ctypes.c_uint64}
 #: Bytes a kernel's parameters may fill (the classic limit of every architecture).
 PARAM_LIMIT = 4096
 
@@ -496,29 +526,79 @@ def _declared_type(text: str, where: str) -> str:
     return base
 
 
+def _active(body: str, defs: Dict[str, Any], where: str) -> str:
+    """The lines of ``body`` that ``#if EXPR`` / ``#else`` / ``#endif`` keep under the variant's
+    defines (EXPR: names, numbers, ``||``, ``&&``, ``!`` and parentheses; an undefined name is 0,
+    as in C)."""
+    kept: List[str] = []
+    stack: List[bool] = []
+    for line in body.splitlines():
+        d = re.fullmatch(r"\s*#\s*(if|else|endif)\b(.*)", line)
+        if d is None:
+            if all(stack):
+                kept.append(line)
+            continue
+        word, expr = d.group(1), d.group(2).strip()
+        if word == "if":
+            if not re.fullmatch(r"[\w\s|&!()]*", expr) or not expr:
+                raise ValueError(f"{where}: cannot evaluate '#if {expr}'")
+            py = re.sub(r"[A-Za-z_]\w*", lambda m: str(int(defs.get(m.group(0), 0))), expr)
+            py = py.replace("||", " or ").replace("&&", " and ").replace("!", " not ")
+            stack.append(bool(eval(py, {"__builtins__": {}})))
+        elif not stack:
+            raise ValueError(f"{where}: #{word} without #if")
+        elif word == "else":
+            stack[-1] = not stack[-1]
+        else:
+            stack.pop()
+    if stack:
+        raise ValueError(f"{where}: #if without #endif")
+    return "\n".join(kept)
+
+
+_FIELD_DECL = re.compile(r"([A-Za-z_][\w ]*?)\s+([A-Za-z_]\w*(?:\s*\[\s*\d+\s*\])*"
+                         r"(?:\s*,\s*[A-Za-z_]\w*(?:\s*\[\s*\d+\s*\])*)*)")
+
+
 @functools.lru_cache(maxsize=None)
-def param_struct(pass_: str, name: str) -> ParamStruct:
-    """Fields and C layout of ``struct name`` as pass ``pass_``'s source declares it: lines
-    ``TYPE NAME[, NAME ...];`` of the types in :data:`FIELD_TYPES`, nothing else (no pointers:
-    those are kernel parameters of their own)."""
-    text = _strip_comments(source(pass_))
+def param_struct(pass_: str, name: str, defs: Tuple[Tuple[str, Any], ...] = ()) -> ParamStruct:
+    """Fields and C layout of ``struct name`` as variant ``(pass_, defs)``'s source declares it
+    (:func:`variant_source`; ``defs`` as sorted items): lines ``TYPE NAME[, NAME ...];`` of the
+    types in :data:`FIELD_TYPES` or of other structs of the source, a NAME possibly an array
+    (``data[8]``, ``size[8][4]``), nothing else (no pointers: those are kernel parameters of
+    their own, or addresses held as ``unsigned long long``), under ``#if`` lines evaluated
+    with the defines."""
+    variant = dict(defs)
+    text = _strip_comments(variant_source(pass_, variant))
     found = re.findall(r"\bstruct\s+" + re.escape(name) + r"\s*\{([^{}]*)\}\s*;", text)
     if len(found) != 1:
         raise ValueError(f"{pass_}: {len(found)} definitions of struct {name} in the source")
     fields: List[Tuple[str, str]] = []
+    ctypes_fields: List[Tuple[str, Any]] = []
     where = f"{pass_}: struct {name}"
-    for decl in filter(None, (d.strip() for d in found[0].split(";"))):
-        m = re.fullmatch(r"([A-Za-z_][\w ]*?)\s+([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)", decl)
+    for decl in filter(None, (d.strip() for d in _active(found[0], variant, where).split(";"))):
+        m = _FIELD_DECL.fullmatch(decl)
         if m is None:
             raise ValueError(f"{where}: cannot lay out the declaration {decl!r}")
-        ctype = _declared_type(m.group(1), where)
-        for field in (f.strip() for f in m.group(2).split(",")):
+        base = re.sub(r"\s+", " ", re.sub(r"\bconst\b", "", m.group(1))).strip()
+        if base not in FIELD_TYPES and re.search(r"\bstruct\s+" + re.escape(base) + r"\s*\{", text):
+            ctype, layout = base, param_struct(pass_, base, defs).ctype
+        else:
+            ctype = _declared_type(m.group(1), where)
+            layout = FIELD_TYPES[ctype]
+        for item in (f.strip() for f in m.group(2).split(",")):
+            field = re.match(r"\w+", item).group(0)
+            dims = [int(n) for n in re.findall(r"\[\s*(\d+)\s*\]", item)]
             if any(field == f for f, _ in fields):
                 raise ValueError(f"{where}: field {field!r} declared twice")
-            fields.append((field, ctype))
+            t = layout
+            for n in reversed(dims):
+                t = t * n
+            fields.append((field, ctype + "".join(f"[{n}]" for n in dims)))
+            ctypes_fields.append((field, t))
     if not fields:
         raise ValueError(f"{where} has no fields")
-    layout = type(name, (ctypes.Structure,), {"_fields_": [(f, FIELD_TYPES[t]) for f, t in fields]})
+    layout = type(name, (ctypes.Structure,), {"_fields_": ctypes_fields})
     return ParamStruct(name, tuple(fields), layout)
 
 
@@ -528,8 +608,9 @@ _STRUCT_PARAM = re.compile(r"const\s+__grid_constant__\s+([A-Za-z_]\w*)\s+[A-Za-
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_params(pass_: str, kernel: str) -> KernelParams:
-    """The parameters of ``kernel`` in pass ``pass_``, read from its signature in the source:
+def kernel_params(pass_: str, kernel: str, defs: Tuple[Tuple[str, Any], ...] = ()) -> KernelParams:
+    """The parameters of ``kernel`` in variant ``(pass_, defs)`` (``defs`` as sorted items; the
+    struct may depend on them), read from its signature in the source:
     ``__restrict__`` pointers, then scalars, then ``const __grid_constant__ NAME p`` with
     ``struct NAME`` in the source (:func:`param_struct`).  The launch code fills all of them by
     name, so that it and the kernel cannot disagree.  A kernel defined more than once (one
@@ -559,7 +640,7 @@ def kernel_params(pass_: str, kernel: str) -> KernelParams:
     if len(found) != 1:
         raise ValueError(f"{where}: {len(found)} distinct signatures in the source")
     pointers_, scalars_, name = found.pop()
-    params = KernelParams(pointers_, scalars_, param_struct(pass_, name))
+    params = KernelParams(pointers_, scalars_, param_struct(pass_, name, defs))
     names = params.names()
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: a name repeats among its parameters and the fields of struct {name}")
@@ -573,7 +654,7 @@ def options(defs: Dict[str, int]) -> List[str]:
     both = set(defs) & set(LAYOUT)
     if both:
         raise ValueError(f"variant defines {sorted(both)} are layout constants")
-    return list(NVCC_OPTIONS) + [f"-D{k}={v}" for k, v in sorted({**LAYOUT, **defs}.items())]
+    return list(NVCC_OPTIONS) + [f"-D{k}={v}" for k, v in sorted({**LAYOUT, **defs}.items()) if k != MOD_CODE]
 
 
 def cache_dir() -> str:
@@ -640,7 +721,7 @@ def cubin(pass_: str, defs: Dict[str, int], arch: str) -> bytes:
     """The cubin of a variant for ``arch``, compiled by PyCUDA (through its disk cache)."""
     from pycuda.compiler import compile as pycuda_compile
 
-    return pycuda_compile(source(pass_), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
+    return pycuda_compile(variant_source(pass_, defs), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
                           cache_dir=_explicit_cache_dir())
 
 
@@ -655,7 +736,7 @@ def _compile_notice(pass_: str, defs: Dict[str, int], arch: str) -> Iterator[Non
     if os.environ.get("PYCUDAFLASH_QUIET", "") == "1":
         yield
         return
-    label = f"{pass_} ({', '.join(f'{k}={v}' for k, v in sorted(defs.items()))})"
+    label = f"{pass_} ({', '.join(f'{k}={v}' for k, v in sorted(defs.items()) if k != MOD_CODE)})"
     timer = threading.Timer(COMPILE_NOTICE_S, lambda: print(
         f"pycudaflash: compiling kernel variant {label} for {build_arch(pass_, arch)}; it is cached "
         f"for later runs ('python -m pycudaflash warm' builds them all)", file=sys.stderr, flush=True))
@@ -787,7 +868,7 @@ def parse_ptxas(log: str) -> Tuple[Dict[str, int], Dict[str, Tuple[int, int]], D
 
 def compile_offline(pass_: str, defs: Dict[str, int], arch: str, nvcc: str = "nvcc") -> OfflineResult:
     """Build a variant to a cubin with nvcc alone (same source and options as at run time)."""
-    src = source(pass_)
+    src = variant_source(pass_, defs)
     arch = build_arch(pass_, arch)
     digest = hashlib.sha1((src + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:12]
     with tempfile.TemporaryDirectory(prefix="pycudaflash-") as tmp:

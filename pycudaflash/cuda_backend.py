@@ -35,7 +35,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _driver, compiler
-from ._problem import Problem
+from ._validate import kernel_array, kernel_dtype
+from .mods import kernel_code
+from ._problem import Operand, Problem
 from ._streams import default_stream, stream_handle
 from .semantics import BAND_UNBOUNDED
 
@@ -229,21 +231,50 @@ class _Kernel:
 
 
 def _fill_struct(layout: "compiler.ParamStruct", fields: Dict[str, Any]) -> Any:
-    """A new struct of ``layout`` with ``fields`` set by name (the others 0)."""
+    """A new struct of ``layout`` with ``fields`` set by name (the others 0): a number for a
+    scalar field, a mapping by name for a struct field, a sequence for an array field."""
     struct = layout.ctype()
-    known = dict(layout.fields)
+    _set_fields(struct, fields, layout.name)
+    return struct
+
+
+def _set_fields(struct: Any, fields: Dict[str, Any], where: str) -> None:
+    known = dict(struct._fields_)
     for name, value in fields.items():
         ctype = known.get(name)
         if ctype is None:
-            raise ValueError(f"struct {layout.name} has no field {name!r}")
-        if ctype == "float":
-            value = float(value)
-        elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"struct {layout.name} field {name!r} ({ctype}) given {value!r}")
-        setattr(struct, name, value)
-        if ctype != "float" and getattr(struct, name) != value:
-            raise ValueError(f"struct {layout.name} field {name!r} ({ctype}) cannot hold {value}")
-    return struct
+            raise ValueError(f"struct {where} has no field {name!r}")
+        if issubclass(ctype, (ctypes.Structure, ctypes.Array)):
+            _set_compound(getattr(struct, name), value, f"{where}.{name}")
+        else:
+            setattr(struct, name, _scalar(ctype, value, f"struct {where} field {name!r}"))
+
+
+def _set_compound(target: Any, value: Any, where: str) -> None:
+    """Fill a struct (from a mapping) or an array (from a sequence, possibly shorter) in place."""
+    if isinstance(target, ctypes.Structure):
+        if not isinstance(value, dict):
+            raise TypeError(f"{where} is a struct: give a dict, not {value!r}")
+        _set_fields(target, value, where)
+        return
+    if len(value) > len(target):
+        raise ValueError(f"{where} holds {len(target)} elements, given {len(value)}")
+    for k, x in enumerate(value):
+        if isinstance(target[k], (ctypes.Structure, ctypes.Array)):
+            _set_compound(target[k], x, f"{where}[{k}]")
+        else:
+            target[k] = _scalar(target._type_, x, f"{where}[{k}]")
+
+
+def _scalar(ctype: Any, value: Any, where: str) -> Any:
+    """``value`` checked for a scalar field of ctypes type ``ctype``."""
+    if ctype is ctypes.c_float:
+        return float(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where} ({ctype.__name__}) given {value!r}")
+    if ctype(value).value != value:
+        raise ValueError(f"{where} ({ctype.__name__}) cannot hold {value}")
+    return value
 
 
 # ------------------------------------------------------- per-stream device state
@@ -300,13 +331,16 @@ class _Variant:
     """The compiled variant a problem needs for one pass, on the current device.
 
     Made once per (context, pass kind, dtype, head-dim bucket, mask kind,
-    tuning environment) and kept.
+    grouping, tuning environment, modifiers' device code) and kept.
+    ``mod_names``: the tensors its modifiers read, in their ``ModTensors`` slots.
     """
 
-    def __init__(self, pass_: str, defs: Dict[str, int], tiles: "compiler.Tiles", head_dim: int, dtype: str,
-                 arch: str) -> None:
+    def __init__(self, pass_: str, defs: Dict[str, Any], tiles: "compiler.Tiles", head_dim: int, dtype: str,
+                 arch: str, mod_names: Tuple[str, ...] = ()) -> None:
         self.pass_, self.defs, self.tiles = pass_, defs, tiles
         self.head_dim, self.dtype, self.arch = head_dim, dtype, arch
+        self.mod_names = mod_names
+        self._defs_key = tuple(sorted(defs.items()))
         self._shapes: Dict[str, "compiler.KernelShape"] = {}
         self._resident: Dict[str, int] = {}
 
@@ -327,7 +361,7 @@ class _Variant:
 
     def params(self, kernel: str) -> "compiler.KernelParams":
         """The parameters of ``kernel``, read from its signature."""
-        return compiler.kernel_params(self.pass_, kernel)
+        return compiler.kernel_params(self.pass_, kernel, self._defs_key)
 
     def function(self, kernel: str):
         """The kernel's CUfunction, its shared-memory limit raised to its shape's."""
@@ -342,14 +376,16 @@ def _variant(prob: Problem, kind: str) -> _Variant:
     dt = _kernel_dtype(prob)
     env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
     groups = prob.kv_heads != prob.H
-    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, groups, env)
+    names, code = ((), None) if prob.plain else kernel_code(prob.score_mod, prob.mask_mod)
+    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, groups, env, code)
     var = _variants.get(key)
     if var is None:
         arch = compiler.arch_of_current_device()
         hd = key[3]
-        pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind)
-        var = _variants[key] = _Variant(pass_, compiler.defines(pass_, hd, prob.mask_kind, dt, arch, groups=groups),
-                                        compiler.tiles(hd, dt, arch), hd, dt, arch)
+        pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, mods=not prob.plain)
+        defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch, groups=groups,
+                                mods=(prob.score_mod, prob.mask_mod))
+        var = _variants[key] = _Variant(pass_, defs, compiler.tiles(hd, dt, arch), hd, dt, arch, names)
     return var
 
 
@@ -468,6 +504,9 @@ class _Plan:
     shapes: Tuple[Tuple[int, ...], ...]  # shapes of the outputs
     out_dtypes: Tuple[np.dtype, ...]  # dtypes of the outputs
     dtype: np.dtype  # dtype of the inputs
+    MOD0: int  # value slot of the first modifier tensor (after the pass's own slots)
+    mod_names: Tuple[str, ...]  # the modifiers' tensors, in their slots
+    mod_offsets: Tuple[int, ...]  # workspace offset of each one given on the host (-1: on the device)
 
     def _describe(self, prob: Problem, kind: str) -> None:
         self.shapes, self.dtype = _output_shapes(prob, kind), prob.dtype
@@ -476,21 +515,45 @@ class _Plan:
 
     def values(self, ptrs: Sequence[int]) -> List[int]:
         """The value slots of a launch: the operands' pointers (:data:`OPERANDS` order), then zeros for
-        the key lengths, workspace and job counter (set by :func:`execute`)."""
+        the key lengths, workspace, job counter and modifier tensors (set by :func:`execute`)."""
         return [*ptrs, *(0,) * (self.N_VALS - len(ptrs))]
 
     def _begin(self, prob: Problem, kind: str) -> "_Variant":
         """Start a plan of pass ``kind``: its lock, pointer table and sizes; its variant."""
         _check_grid(prob)
+        var = _variant(prob, kind)
         self._lock = threading.Lock()
+        self.mod_names, self.MOD0 = var.mod_names, self.N_VALS
+        self.N_VALS = self.MOD0 + len(self.mod_names)
         self.pointers = _Pointers(self.N_VALS)
         self._sizes = dict(Nq=prob.Nq, Nk=prob.Nk, D=prob.D)
         self._describe(prob, kind)
-        return _variant(prob, kind)
+        return var
+
+    def _mod_fields(self, prob: Problem, ws: "_Workspace") -> Dict[str, Any]:
+        """The struct fields of the modifiers' tensors (sizes and element strides; their data
+        addresses are a call's, :meth:`launch`), and workspace room for those on the host."""
+        if not self.mod_names:
+            self.mod_offsets = ()
+            return {}
+        sizes, strides, offsets = [], [], []
+        for name in self.mod_names:
+            t = prob.mod_tensors[name]
+            if isinstance(t, Operand):
+                shape, st = t.shape, t.strides
+                offsets.append(-1)
+            else:
+                shape, st = t.shape, c_strides(t.shape)
+                offsets.append(ws.region(kernel_dtype(t.dtype).itemsize * int(np.prod(shape))))
+            sizes.append(list(shape))
+            strides.append(list(st))
+        self.mod_offsets = tuple(offsets)
+        return dict(mods=dict(size=sizes, stride=strides))
 
     def _struct(self, var: "_Variant", kernel: str, fields: Dict[str, Any]) -> None:
         """The plan's parameter struct (of ``kernel``'s type, which every kernel of the pass takes)."""
         self.struct = _fill_struct(var.params(kernel).struct, fields)
+        self._mod_data = self.struct.mods.data if self.mod_names else None
 
     def _kernel(self, var: "_Variant", name: str, grid: Tuple[int, int, int], **pointers: Any) -> _Kernel:
         """Kernel ``name`` of the variant launched on ``grid``, its pointer parameters given by name
@@ -517,6 +580,8 @@ class _Plan:
             vals[self.CNT] = _job_counter(ctx, stream)
         with self._lock:  # (the pointer slots are the plan's: one call at a time)
             self.pointers.fill(vals)
+            if self._mod_data is not None:  # (the modifiers' tensors: addresses in the struct)
+                self._mod_data[:len(self.mod_names)] = vals[self.MOD0:]
             for launch in self._launches:
                 launch(stream)
 
@@ -525,7 +590,7 @@ class ForwardPlan(_Plan):
     """The forward launches of one call signature.
 
     ``vals`` order (:meth:`launch`): q, k, v, out, lse, mask, key lengths,
-    workspace, job counter.
+    workspace, job counter, the modifiers' tensors.
     """
 
     Q, K, V, O, L, M, KL, WS, CNT = range(9)
@@ -547,7 +612,7 @@ class ForwardPlan(_Plan):
             **_strides("q", strides["q"]), **_strides("k", strides["k"]), **_strides("v", strides["v"]),
             **_strides("o", strides["out"]), **_strides("l", strides["lse"]),
             **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields,
-            scale_log2=prob.scale * LOG2E, band_lo=lo, band_hi=hi,
+            **self._mod_fields(prob, ws), scale_log2=prob.scale * LOG2E, scale=prob.scale, band_lo=lo, band_hi=hi,
             vec=_vec_ok([_three(strides[n]) for n in names], D, itemsize, aligned),
             H=H, kv_group=H // prob.kv_heads)
         shape = var.shape("flash_fwd_kernel")
@@ -597,7 +662,7 @@ class BackwardPlan(_Plan):
     """The backward launches of one call signature.
 
     ``vals`` order (:meth:`launch`): q, k, v, out, dout, lse, dq, dk, dv,
-    mask, key lengths, workspace.
+    mask, key lengths, workspace, the modifiers' tensors.
     """
 
     Q, K, V, O, DO, L, DQ, DK, DV, M, KL, WS = range(12)
@@ -635,7 +700,7 @@ class BackwardPlan(_Plan):
         self._struct(var, "flash_bwd_dkdv_kernel", dict(
             **{f: x for n in ("q", "k", "v", "dq", "dkh", "dvh", "dk", "dv") for f, x in _strides(n, st[n]).items()},
             **_strides("do", st["dout"]), **_strides("o", st["out"]), **_strides("l", st["lse"]),
-            **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields,
+            **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields, **self._mod_fields(prob, ws),
             scale_log2=prob.scale * LOG2E, scale=prob.scale, band_lo=lo, band_hi=hi,
             vec=_vec_ok([st[n] for n in names], D, itemsize, aligned),
             H=H, kv_group=group, Hkv=Hkv, total_rows=rows, kv_total=B * Hkv * Nk * D))
@@ -685,8 +750,9 @@ def _torch_current(obj: Any, stream: int) -> Any:
 
 
 def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl_host: Optional[np.ndarray],
-            like: Any, workspace: int = 0) -> None:
-    """Run ``plan`` with ``vals`` on ``stream``: a workspace for the call, the key lengths, the launches.
+            like: Any, workspace: int = 0, mod_values: Sequence[Any] = ()) -> None:
+    """Run ``plan`` with ``vals`` on ``stream``: a workspace for the call, the key lengths, the
+    modifiers' tensors (:func:`mod_values`), the launches.
 
     ``like`` is the first input: the workspace comes from torch's caching
     allocator when it is a torch tensor on torch's current stream (graph
@@ -694,30 +760,52 @@ def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl
     caller owns one (``workspace``, at least ``plan.ws_bytes``).
     """
     if plan.ws_bytes == 0 or workspace:
-        launch_plan(plan, vals, ctx, stream, kl_host, workspace)
+        launch_plan(plan, vals, ctx, stream, kl_host, workspace, mod_values)
         return
     torch = _torch_current(like, stream)
     if torch is not None:
         buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)  # (freed after the launches, in stream order)
-        launch_plan(plan, vals, ctx, stream, kl_host, buf.data_ptr())
+        launch_plan(plan, vals, ctx, stream, kl_host, buf.data_ptr(), mod_values)
         return
     base = _driver.alloc_async(plan.ws_bytes, device, stream)
     try:
-        launch_plan(plan, vals, ctx, stream, kl_host, base)
+        launch_plan(plan, vals, ctx, stream, kl_host, base, mod_values)
     finally:
         _driver.free_async(base, stream)
 
 
 def launch_plan(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Optional[np.ndarray],
-                workspace: int) -> None:
+                workspace: int, mod_values: Sequence[Any] = ()) -> None:
     """Launch ``plan`` with ``workspace`` (at least ``plan.ws_bytes``; 0 when it needs none), host
-    key lengths copied into it first."""
+    key lengths and host modifier tensors copied into it first."""
     vals[plan.WS] = workspace
     if kl_host is not None and plan.kl_offset >= 0:
         dst = workspace + plan.kl_offset
         _driver.memcpy_htod_async(dst, kl_host.ctypes.data, kl_host.nbytes, stream)
         vals[plan.KL] = dst
+    if len(mod_values) != len(plan.mod_names):
+        raise ValueError(f"the plan's modifiers read {len(plan.mod_names)} tensors, given {len(mod_values)}")
+    for k, (value, off) in enumerate(zip(mod_values, plan.mod_offsets)):
+        if isinstance(value, np.ndarray):
+            if _driver.is_capturing(stream):
+                raise ValueError("mod_tensors given on the host cannot be captured into a graph: pass them as "
+                                 "device arrays")
+            value, dst = np.ascontiguousarray(value), workspace + off
+            _driver.memcpy_htod_async(dst, value.ctypes.data, value.nbytes, stream)
+        else:
+            dst = int(value)
+        vals[plan.MOD0 + k] = dst
     plan.launch(vals, ctx, stream)
+
+
+def mod_values(plan: _Plan, tensors: Optional[Dict[str, Any]]) -> List[Any]:
+    """A call's modifier tensors in ``plan``'s slots: device addresses (of device operands), or host
+    arrays in the kernels' element types (copied into the workspace at launch)."""
+    out: List[Any] = []
+    for name in plan.mod_names:
+        t = (tensors or {})[name]
+        out.append(t.ptr if isinstance(t, Operand) else kernel_array(name, t))
+    return out
 
 
 def empty_like_input(like: Any, shape: Tuple[int, ...], dtype: np.dtype, device: int, stream: int) -> Any:
@@ -839,13 +927,15 @@ def run(prob: Problem, kind: str, stream: Any = None, keep: Optional[Callable[[A
     objs = [op.obj if op is not None else None for op in ops]
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
-        return launch(plan_, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs, kl_host=prob.key_lengths)
+        return launch(plan_, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs, kl_host=prob.key_lengths,
+                      mods=mod_values(plan_, prob.mod_tensors))
     finally:
         _driver.leave(pushed)
 
 
 def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int], objs: Sequence[Any],
-           device_kl: int = 0, kl_host: Optional[np.ndarray] = None, workspace: int = 0) -> Tuple[Any, ...]:
+           device_kl: int = 0, kl_host: Optional[np.ndarray] = None, workspace: int = 0,
+           mods: Sequence[Any] = ()) -> Tuple[Any, ...]:
     """Allocate the outputs missing from ``objs``, launch ``plan_`` and return its outputs.
 
     ``ptrs`` and ``objs``: pointers and objects of the pass's
@@ -853,7 +943,7 @@ def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int]
     has them: ``device_kl``, a device int32 array read in place, or
     ``kl_host``, validated host int32 values copied into the workspace.
     ``workspace``: device memory of the caller's for the plan's workspace
-    (0: one per call).
+    (0: one per call).  ``mods``: the modifiers' tensors (:func:`mod_values`).
     """
     like = objs[0]
     vals = plan_.values(ptrs)
@@ -867,7 +957,7 @@ def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int]
             vals[i] = _ptr(o)
         outs.append(o)
     execute(plan_, vals, ctx, device, stream, _key_lengths_arg(plan_, vals, stream, device_kl, kl_host), like,
-            workspace)
+            workspace, mods)
     return tuple(outs)
 
 
@@ -909,8 +999,9 @@ def _aligned(ptrs: Sequence[int]) -> bool:
 
 def _check_device(prob: Problem, device: int) -> None:
     """Every device operand must live on the call's device."""
-    for name in ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "mask"):
-        op = getattr(prob, name)
+    named = [(name, getattr(prob, name)) for name in ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "mask")]
+    named += [(f"mod_tensors[{n!r}]", t) for n, t in (prob.mod_tensors or {}).items() if isinstance(t, Operand)]
+    for name, op in named:
         if op is None or not op.ptr:
             continue
         where = _driver.pointer_device(op.ptr)
@@ -957,7 +1048,8 @@ def _run_host(prob: Problem, stream: Any, kind: str):
                 strides["mask"] = mask_strides
             plan: _Plan = cls(prob, strides, True)
             vals = plan.values([base + offsets[n] if n in offsets else 0 for n in names])
-            execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0, prob.key_lengths), None)
+            execute(plan, vals, ctx, device, handle, _key_lengths_arg(plan, vals, handle, 0, prob.key_lengths), None,
+                    mod_values=mod_values(plan, prob.mod_tensors))
             for n, a in staged.items():
                 _driver.memcpy_dtoh_async(a.ctypes.data, base + offsets[n], a.nbytes, handle)
         finally:

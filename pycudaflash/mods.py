@@ -36,7 +36,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Modifier", "score_mod", "mask_mod", "tensor_kind", "POSITIONS"]
+__all__ = ["Modifier", "score_mod", "mask_mod", "tensor_kind", "kernel_code", "POSITIONS"]
 
 #: The position names and the score.
 POSITIONS = ("b", "h", "i", "j")
@@ -273,6 +273,19 @@ def _uses(node: Node, name: str) -> bool:
     return any(_uses(x, name) for x in node.args)
 
 
+def _loads(node: Node) -> set:
+    """Names of the tensors ``node`` reads."""
+    if isinstance(node, (Var, Num)):
+        return set()
+    if isinstance(node, Load):
+        return {node.tensor}.union(*(_loads(x) for x in node.index))
+    if isinstance(node, Unary):
+        return _loads(node.x)
+    if isinstance(node, (Bin, Cmp)):
+        return _loads(node.a) | _loads(node.b)
+    return set().union(*(_loads(x) for x in node.args))
+
+
 class Modifier:
     """A parsed, typed modifier expression.
 
@@ -344,17 +357,46 @@ class Modifier:
 
     # ------------------------------------------------------------------ CUDA
 
-    def cuda(self, name: str) -> str:
+    def cuda(self, name: str, slots: Optional[Mapping[str, int]] = None) -> str:
         """A CUDA device function ``name(score, b, h, i, j, mods)`` returning the expression
         (``float`` for a score modifier, ``bool`` for a mask modifier).  ``mods`` is a
-        ``ModTensors`` (see :data:`CUDA_PRELUDE`) whose slot ``k`` holds the ``k``-th tensor
-        of :attr:`signature` in name order."""
-        slots = {t: k for k, t in enumerate(sorted(self.signature))}
+        ``ModTensors`` (see :data:`CUDA_PRELUDE`) whose slot ``slots[t]`` holds tensor ``t``
+        (default: the ``k``-th tensor of :attr:`signature` in name order)."""
+        if slots is None:
+            slots = {t: k for k, t in enumerate(sorted(self.signature))}
         ret = "float" if self.role == "score" else "bool"
-        body = _cuda(self.node, slots)
+        body = _cuda(self.node, dict(slots))
         return (f"__device__ __forceinline__ {ret} {name}(float score, int b, int h, int i, int j, "
                 f"const ModTensors &mods) {{\n    (void)score; (void)b; (void)h; (void)i; (void)j; (void)mods;\n"
                 f"    return {body};\n}}\n")
+
+    @property
+    def tensors_read(self) -> Tuple[str, ...]:
+        """The names of the tensors the expression reads, sorted."""
+        return tuple(sorted(_loads(self.node)))
+
+
+def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tuple[str, ...], str]:
+    """The device code of a kernel variant with these modifiers: ``(names, code)``.
+
+    ``code`` is :data:`CUDA_PRELUDE` and the device functions ``score_mod``,
+    ``score_mod_slope`` (its derivative) and ``mask_mod`` of those given;
+    ``names`` are the tensors they read, ``names[k]`` in slot ``k`` of
+    ``ModTensors``.  The same expressions over tensors of the same kinds and
+    dimensions give the same text.
+    """
+    if score is not None and score.role != "score" or mask is not None and mask.role != "mask":
+        raise ValueError("kernel_code takes a score modifier and a mask modifier")
+    names = tuple(sorted(set(score.tensors_read if score else ()) | set(mask.tensors_read if mask else ())))
+    if len(names) > MAX_TENSORS:
+        raise ValueError(f"the modifiers read {len(names)} mod_tensors, at most {MAX_TENSORS} on the GPU")
+    slots = {t: k for k, t in enumerate(names)}
+    parts = [CUDA_PRELUDE]
+    if score is not None:
+        parts += [score.cuda("score_mod", slots), score.derivative().cuda("score_mod_slope", slots)]
+    if mask is not None:
+        parts.append(mask.cuda("mask_mod", slots))
+    return names, "".join(parts)
 
 
 def _describe(name: str, t: Any) -> Tuple[Kind, int]:
@@ -530,31 +572,33 @@ def _simplify(n: Node) -> Node:
 
 # ------------------------------------------------------------------- CUDA
 
+#: Tensors a kernel's modifiers may read, and their dimensions at most.
+MAX_TENSORS = 8
+MAX_DIMS = 4
+
 #: Device code every translated modifier relies on: the tensors' descriptors
 #: and the integer helpers with the language's semantics.
-CUDA_PRELUDE = """\
-#define MOD_MAX_TENSORS 8
-#define MOD_MAX_DIMS 4
-// The named tensors of a modifier: data, sizes and element strides (slot k:
-// the k-th name in sorted order), float32, int32 or bool (one byte) data.
-struct ModTensors {
-    const void *data[MOD_MAX_TENSORS];
-    long long size[MOD_MAX_TENSORS][MOD_MAX_DIMS];
-    long long stride[MOD_MAX_TENSORS][MOD_MAX_DIMS];
-};
+CUDA_PRELUDE = f"""\
+// The named tensors of a modifier: data (device addresses), sizes and element
+// strides (slot k: the k-th name in sorted order), float32, int32 or bool (one
+// byte) data.
+struct ModTensors {{
+    unsigned long long data[{MAX_TENSORS}];
+    long long size[{MAX_TENSORS}][{MAX_DIMS}], stride[{MAX_TENSORS}][{MAX_DIMS}];
+}};
 // An index clamped into [0, n) times its stride.
-__device__ __forceinline__ long long mod_at(long long x, long long n, long long stride) {
+__device__ __forceinline__ long long mod_at(long long x, long long n, long long stride) {{
     return (x < 0 ? 0 : (x >= n ? n - 1 : x)) * stride;
-}
+}}
 // Python's // and % on ints (rounding down); a zero divisor gives 0.
-__device__ __forceinline__ long long mod_floordiv(long long a, long long b) {
+__device__ __forceinline__ long long mod_floordiv(long long a, long long b) {{
     if (b == 0) return 0;
     const long long q = a / b;
     return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-__device__ __forceinline__ long long mod_floormod(long long a, long long b) {
+}}
+__device__ __forceinline__ long long mod_floormod(long long a, long long b) {{
     return b == 0 ? 0 : a - mod_floordiv(a, b) * b;
-}
+}}
 """
 
 _CTYPE = {"bool": "bool", "int": "long long", "float": "float"}

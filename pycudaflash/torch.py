@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _calls, _driver, _validate, cuda_backend
-from ._problem import NUMPY_ONLY
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["flash_attention"]
@@ -90,8 +89,10 @@ def flash_attention(
         differentiable.
     score_mod, mask_mod, mod_tensors : optional
         Modifier expressions and the tensors they read, as in
-        :func:`pycudaflash.flash_attn_forward` (CPU tensors only so far, and
-        eagerly: not under ``torch.compile``).
+        :func:`pycudaflash.flash_attn_forward`: with CUDA inputs the tensors
+        are CUDA tensors of the same device (float32, int32 or bool, read in
+        place) or CPU tensors (copied on every call); eagerly only, not under
+        ``torch.compile``.
 
     Returns
     -------
@@ -131,11 +132,9 @@ def flash_attention(
 
 def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool, mods: Dict[str, Any]) -> Any:
-    """A call with modifiers: eagerly through the autograd function, on the NumPy backend."""
+    """A call with modifiers: eagerly through the autograd function (CUDA kernels or NumPy backend)."""
     if torch.compiler.is_compiling():
         raise ValueError("score_mod, mask_mod and mod_tensors do not run under torch.compile yet")
-    if q.is_cuda:
-        raise ValueError(NUMPY_ONLY)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
     out, lse, _ = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
@@ -218,12 +217,13 @@ def empty_like_layout(t: Tensor) -> Tensor:
 
 
 def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], kl: Optional[Tensor],
-               opts: Tuple[Any, ...], ptrs: Tuple[int, ...]) -> Tuple[Any, ...]:
+               opts: Tuple[Any, ...], ptrs: Tuple[int, ...], mods: Optional[Dict[str, Any]] = None) -> Tuple[Any, ...]:
     """The plan-cache key of a call on CUDA tensors (``pycudaflash._calls``).
 
     ``tensors`` are the inputs whose layout the caller chose; the outputs
     (:func:`empty_like_layout` of them) and the saved ``out`` and ``lse``
-    follow from those.  Whether every pointer is 16-byte aligned is part of it.
+    follow from those.  Whether every pointer is 16-byte aligned is part of it,
+    and so are the modifiers and their tensors' layouts (:func:`pycudaflash._calls.mods_key`).
     """
     low = 0
     for p in ptrs:
@@ -235,6 +235,8 @@ def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], k
         None if mask is None else (mask.shape, mask.stride(), mask.dtype))
     for t in tensors[3:]:
         key += (t.shape, t.stride(), t.dtype)
+    if mods is not None:
+        key += (_calls.mods_key(**mods),)
     return key
 
 
@@ -259,10 +261,10 @@ _raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 
 
 def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: Tuple[int, ...],
-            kl: Optional[Tensor], q: Tensor) -> None:
+            kl: Optional[Tensor], q: Tensor, mod_tensors: Optional[Dict[str, Any]] = None) -> None:
     """Launch pass ``kind`` on torch's current stream: the plan of ``key``, made on first use from
     ``validate()``'s Problem.  ``ptrs``: the pass's operands (``cuda_backend.OPERANDS``), outputs
-    included (a forward's lse may be 0: not stored)."""
+    included (a forward's lse may be 0: not stored); ``mod_tensors``: the modifiers' tensors."""
     hit = _calls.lookup(key)
     if hit is None:
         _check_device_key_lengths(kl, q)
@@ -275,23 +277,24 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
             vals[plan.KL] = kl.data_ptr()
         else:
             kl_host = _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
+    mod_values = _calls.mod_values(plan, mod_tensors)
     stream = torch._C._cuda_getCurrentRawStream(device)
     ctx, pushed = _driver.enter(device)
     try:
         if not plan.ws_bytes:
-            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, 0)
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, 0, mod_values)
         elif torch._C._cuda_getDevice() == device:
             # The workspace comes from torch's caching allocator, ordered on this stream like the
             # launches: freed on return, reused by later work on the stream only (and taken from a
             # graph's private pool while the stream is captured).
             ws = _raw_alloc(plan.ws_bytes, stream)
             try:
-                cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws)
+                cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws, mod_values)
             finally:
                 _raw_delete(ws)
         else:  # (the raw allocator serves torch's current device only)
             ws_tensor = q.new_empty((plan.ws_bytes,), dtype=torch.uint8)
-            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws_tensor.data_ptr())
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws_tensor.data_ptr(), mod_values)
     finally:
         _driver.leave(pushed)
 
@@ -302,7 +305,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
     """Forward pass into new tensors: ``(out, lse, key)`` with ``out`` laid out by
     :func:`empty_like_layout`, ``lse`` contiguous (on CUDA, None and not stored unless
     ``need_lse``) and ``key`` the call's plan-cache key (None on the CPU), from which the eager
-    backward derives its own.  ``mods``: the modifier arguments of the plain API (CPU only)."""
+    backward derives its own.  ``mods``: the modifier arguments of the plain API."""
     causal, left, right, scale = opts
     causal_arg = causal if causal != "none" else False
     out = empty_like_layout(q)
@@ -316,12 +319,12 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if need_lse else None
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
             0 if mask is None else mask.data_ptr())
-    key = _signature("fwd", (q, k, v), mask, kl, opts, ptrs)
+    key = _signature("fwd", (q, k, v), mask, kl, opts, ptrs, mods)
     _launch("fwd", key,
             lambda: _validate.validate_forward(
                 q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=_host_key_lengths(kl),
-                scale=scale, out=out, lse=lse),
-            ptrs, kl, q)
+                scale=scale, out=out, lse=lse, **(mods or {})),
+            ptrs, kl, q, (mods or {}).get("mod_tensors"))
     return out, lse, key
 
 
@@ -351,15 +354,16 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if mask is None else mask.data_ptr())
     if fwd_key is None:
-        key = _signature("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,), ptrs)
+        key = _signature("bwd", (q, k, v, dout), mask, kl, opts + (deterministic,), ptrs, mods)
     else:
         key = ("torch-bwd-of", fwd_key, dout.stride(), (ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 == 0,
                deterministic)
     _launch("bwd", key,
             lambda: _validate.validate_backward(
                 dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
-                key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv),
-            ptrs, kl, q)
+                key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                **(mods or {})),
+            ptrs, kl, q, (mods or {}).get("mod_tensors"))
     return dq, dk, dv
 
 

@@ -26,16 +26,39 @@ pytestmark = [
 ]
 
 
+def _mod_variants(arch):
+    """The variants of two representative modifier pairs (ALiBi with a document mask; soft-capping
+    with a prefix-LM mask) for every pass, dtype and head-dim bucket, without a dense mask."""
+    import numpy as np
+
+    from pycudaflash.mods import mask_mod, score_mod
+
+    pairs = [(score_mod("score - slope[h] * abs(i - j)", dict(slope=np.zeros(4, np.float32))),
+              mask_mod("doc[b, i] == doc[b, j]", dict(doc=np.zeros((2, 8), np.int32)))),
+             (score_mod("30 * tanh(score / 30)"), mask_mod("(j <= i) | (j < prefix[b])",
+                                                            dict(prefix=np.zeros(2, np.int32))))]
+    for mods in pairs:
+        for dtype in compiler.DTYPES:
+            for kind in ("fwd", "bwd"):
+                for hopper in (False, True):
+                    for hd in compiler.buckets(dtype):
+                        pass_ = compiler.pass_name(kind, dtype, arch, hd, hopper=hopper, mods=True)
+                        if hopper and pass_ == compiler.pass_name(kind, dtype, arch, hd, hopper=False, mods=True):
+                            continue
+                        yield pass_, compiler.defines(pass_, hd, "none", dtype, arch, mods=mods)
+
+
 @pytest.fixture(scope="module")
 def builds():
     items = [(p, d, a) for a in ARCHES for p, d in compiler.all_variants(arch=a)]
+    items += [(p, d, a) for a in ARCHES for p, d in _mod_variants(a)]
     jobs = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda it: compiler.compile_offline(*it), items))
+        return [r for r in pool.map(lambda it: compiler.compile_offline(*it), items)]
 
 
 def _label(r):
-    return f"{r.pass_} {r.defines} {r.arch}"
+    return f"{r.pass_} {dict((k, v) for k, v in r.defines.items() if k != compiler.MOD_CODE)} {r.arch}"
 
 
 def test_variant_count(builds):
@@ -46,8 +69,13 @@ def test_variant_count(builds):
     # Each twice: k and v with as many heads as q, and with fewer.
     per_mask = len(compiler.HEAD_DIM_BUCKETS) + 2 * len(compiler.HEAD_DIM_BUCKETS_F16)
     hopper = 2 * (2 * len(compiler.HEAD_DIM_BUCKETS_F16) * len(compiler.MASK_MODES) - 1)
-    assert len(builds) == 2 * (2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES) + hopper)
-    assert sum(r.arch == "sm_90a" for r in builds) == 2 * hopper
+    plain = [r for r in builds if compiler.MOD_CODE not in r.defines]
+    assert len(plain) == 2 * (2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES) + hopper)
+    assert sum(r.arch == "sm_90a" for r in plain) == 2 * hopper
+    # The modifier variants: 2 pairs x 2 passes x the buckets, per architecture, and on sm_90
+    # the Hopper passes (the backward but at head dim 128, which stays on mma.sync).
+    mods = len(builds) - len(plain)
+    assert mods == 2 * (2 * per_mask * len(ARCHES) + 2 * (2 * len(compiler.HEAD_DIM_BUCKETS_F16) - 1))
 
 
 def test_all_variants_compile(builds):

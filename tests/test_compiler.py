@@ -60,8 +60,8 @@ def test_build_arch() -> None:
 
 def test_hopper_defines() -> None:
     d = compiler.defines("fwd_sm90", 128, "none", "float16", "sm_90")
-    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "KV_GROUPS": 0, "ELEM_BF16": 0, "LEAN_REGISTERS": 0, "BC": 128,
-                 "FWD_WGS": 2, "FWD_MINB": 1, "FWD_PERSIST": 1}
+    assert d == {"HEAD_DIM": 128, "MASK_MODE": 0, "KV_GROUPS": 0, "SCORE_MOD": 0, "MASK_MOD": 0, "ELEM_BF16": 0,
+                 "LEAN_REGISTERS": 0, "BC": 128, "FWD_WGS": 2, "FWD_MINB": 1, "FWD_PERSIST": 1}
     # Grouped K/V heads: persistent blocks without a dense mask, one job a block with one.
     assert [compiler.defines("fwd_sm90", 128, mk, "float16", "sm_90", groups=True)["FWD_PERSIST"]
             for mk in ("none", "bool")] == [1, 0]

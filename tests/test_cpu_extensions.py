@@ -98,14 +98,32 @@ def test_torch_cpu_tensors_with_modifiers_come_back_as_torch() -> None:
     assert relative_error(out.numpy(), r_out) < 6e-7
 
 
-def test_modifiers_on_the_gpu_are_refused_before_any_work(monkeypatch) -> None:
-    """Where CUDA would run the call, modifiers raise (no silent fallback)."""
+def test_modifiers_run_where_cuda_is_usable(monkeypatch) -> None:
+    """Where CUDA is usable, a host call with modifiers goes to the CUDA kernels like any other."""
     import pycudaflash._backends as backends
+    from pycudaflash._validate import validate_forward
 
     monkeypatch.setattr(backends, "cuda_status", lambda: (True, "usable"))
     q, k, v, _ = _inputs()
-    with pytest.raises(ValueError, match="NumPy backend only so far"):
-        flash_attn_forward(q, k, v, score_mod="score * 2")
+    prob = validate_forward(q, k, v, score_mod="score - slope[h]", mod_tensors=dict(slope=SLOPE))
+    assert backends.choose_backend(prob, None, None) == "cuda"
+    assert backends.choose_backend(prob, "numpy", None) == "numpy"
+
+
+def test_mod_tensors_the_kernels_cannot_read_are_refused() -> None:
+    from pycudaflash._validate import kernel_array
+
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="empty dimension"):
+        flash_attn_forward(q, k, v, score_mod="score - t[h]", mod_tensors=dict(t=np.zeros(0, np.float32)),
+                           backend="numpy")
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_array("t", np.array([2**40]))
+    assert kernel_array("t", np.array([1, 2], np.int64)).dtype == np.int32
+    assert kernel_array("t", np.array([0.5])).dtype == np.float32
+    made = score_mod("score - t[h]", dict(t=np.zeros(3, np.float32)))
+    with pytest.raises(ValueError, match="was made for mod_tensors\\['t'\\]"):
+        flash_attn_forward(q, k, v, score_mod=made, mod_tensors=dict(t=np.zeros(3, np.int32)), backend="numpy")
 
 
 def test_modifier_arguments_are_checked() -> None:

@@ -166,6 +166,7 @@ class _FakeVariant:
     def __init__(self, pass_: str, defs: dict, shapes: dict) -> None:
         self.pass_, self.defs, self.shapes = pass_, defs, shapes
         self.tiles = compiler.tiles(defs["HEAD_DIM"], "float16", "sm_80")
+        self.mod_names: tuple = ()
 
     def function(self, kernel: str) -> int:
         return 0
