@@ -17,8 +17,11 @@ from pycudaflash.testing import attention_kwargs, attention_problems, check, mak
 PROBLEMS = attention_problems(max_batch=2, max_heads=4, max_seqlen=130, max_head_dim=96, dtypes=("float32",))
 
 # Templates: {c} is a drawn constant; slope[h], table[...], doc[b, .], prefix[b] are drawn tensors.
+# Each score modifier is smooth in the score (branches and kinks are on positions): at a jump or
+# a kink in the score, a float32 score and its float64 reference may fall on different sides, and
+# the results (or gradients) then differ by the jump, not by rounding.
 SCORE_MODS = [None, "{c} * tanh(score / {c})", "score - slope[h] * abs(i - j)", "score + table[h, min(max(j - i, -8), 8) + 8]",
-              "where(score > {c} / 10, score, score * 0.5)", "min(score, {c}) + max(score, -{c})",
+              "where(i >= j, score, score * 0.5)", "score + min(max(j - i, -{c}), {c}) / 10",
               "score * exp(-abs(i - j) / ({c} + 1))"]
 MASK_MODS = [None, "doc[b, i] == doc[b, j]", "(j <= i) | (j < prefix[b])", "(i - j) % 3 != 1", "~(j == i // 2)"]
 
