@@ -413,6 +413,18 @@ def _describe(name: str, t: Any) -> Tuple[Kind, int]:
     return tensor_kind(dtype), int(ndim)
 
 
+def as_modifier(m: Any, tensors: Optional[Mapping[str, Any]], role: str) -> Optional[Modifier]:
+    """A :class:`Modifier` of ``role`` ('score' or 'mask') from a Modifier or its source text
+    (None stays None); a Modifier of the other role raises ``ValueError``."""
+    if m is None:
+        return None
+    if isinstance(m, Modifier):
+        if m.role != role:
+            raise ValueError(f"a {m.role}_mod was given as {role}_mod")
+        return m
+    return Modifier(m, tensors, role)
+
+
 def score_mod(src: str, tensors: Optional[Mapping[str, Any]] = None) -> Modifier:
     """A :class:`Modifier` with the score role."""
     return Modifier(src, tensors, "score")

@@ -15,6 +15,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .mods import as_modifier
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["reference_forward", "reference_backward", "masked_scores", "softmax_parts", "repeat_kv_heads",
@@ -65,19 +66,6 @@ def sum_kv_groups(dx: np.ndarray, hkv: int) -> np.ndarray:
     return dx if hkv == H else dx.reshape(B, hkv, H // hkv, N, D).sum(axis=2)
 
 
-def _modifier(m: Any, tensors: Any, role: str) -> Any:
-    """A Modifier of ``role`` from a Modifier or its source text (None stays None)."""
-    if m is None:
-        return None
-    from .mods import Modifier
-
-    if isinstance(m, Modifier):
-        if m.role != role:
-            raise ValueError(f"a {m.role}_mod was given as {role}_mod")
-        return m
-    return Modifier(m, tensors, role)
-
-
 def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, window: Any, mask: Any,
             key_lengths: Any, score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None,
             slope: bool = False) -> Tuple[np.ndarray, float, Optional[np.ndarray], np.ndarray]:
@@ -123,7 +111,7 @@ def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, w
             bias = np.broadcast_to(np.asarray(m, dtype=np.float64), (B, H, Nq, Nk))
 
     # Modifiers read b, h, i, j as broadcast grids; mask_mod excludes like the other conditions.
-    smod, mmod = _modifier(score_mod, mod_tensors, "score"), _modifier(mask_mod, mod_tensors, "mask")
+    smod, mmod = as_modifier(score_mod, mod_tensors, "score"), as_modifier(mask_mod, mod_tensors, "mask")
     pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
                i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :], tensors=mod_tensors)
     if mmod is not None:

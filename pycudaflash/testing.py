@@ -564,12 +564,28 @@ def allowed_and_bias(
     return allowed, bias
 
 
+def _with_mods(allowed: np.ndarray, score_mod: Any, mask_mod: Any, mod_tensors: Any
+               ) -> Tuple[np.ndarray, Any, Dict[str, Any]]:
+    """``allowed`` with ``mask_mod`` applied, the score Modifier (or None), and the position grids
+    the modifiers read."""
+    from .mods import as_modifier
+
+    B, H, Nq, Nk = allowed.shape
+    pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
+               i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :],
+               tensors=mod_tensors)
+    mmod = as_modifier(mask_mod, mod_tensors, "mask")
+    if mmod is not None:
+        allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), allowed.shape)
+    return allowed, as_modifier(score_mod, mod_tensors, "score"), pos
+
+
 class _LowpForward:
     """The pieces of a low-precision forward pass that the backward pass reuses."""
 
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype, scale: float,
-        allowed: np.ndarray, bias: Optional[np.ndarray],
+        allowed: np.ndarray, bias: Optional[np.ndarray], smod: Any = None, pos: Optional[Dict[str, Any]] = None,
     ) -> None:
         f32 = np.float32
 
@@ -589,6 +605,14 @@ class _LowpForward:
                 S = S + bias.astype(f32)
             if bias.dtype == dtype:
                 S = rnd(S)
+        # A score modifier: evaluated on the rounded scores, its result rounded once (its slope
+        # kept, rounded, for the backward's dS).
+        self.slope = None
+        if smod is not None:
+            with np.errstate(all="ignore"):
+                self.slope = rnd(np.broadcast_to(smod.derivative().evaluate(S.astype(np.float64), **pos),
+                                                 S.shape).astype(f32))
+                S = rnd(np.broadcast_to(smod.evaluate(S.astype(np.float64), **pos), S.shape).astype(f32))
         S = np.where(allowed, S, f32(-np.inf))
         # Softmax in float32; a row that sees no key gets P = 0 and lse = -inf.
         m = np.max(S, axis=-1, initial=-np.inf)
@@ -621,6 +645,9 @@ def lowp_reference_forward(
     mask: Any = None,
     key_lengths: Any = None,
     dtype: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Naive attention in a low-precision dtype, as plain torch operations compute it.
 
@@ -651,6 +678,11 @@ def lowp_reference_forward(
         As in :func:`pycudaflash.reference.reference_forward`.  A float mask
         of dtype ``dtype`` is added in that dtype, any other float mask in
         float32.
+    score_mod, mask_mod, mod_tensors
+        Modifiers (:mod:`pycudaflash.mods`): ``mask_mod`` is one more
+        condition; ``score_mod`` is evaluated on the rounded (biased) scores
+        and its result rounded once to ``dtype``, as a fused score function
+        would be (torch would round after each of its operations).
     dtype : str or dtype, optional
         ``'float16'`` or ``'bfloat16'`` (``'float32'`` gives a naive float32
         attention); default q's dtype.
@@ -672,8 +704,9 @@ def lowp_reference_forward(
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
+    allowed, smod, pos = _with_mods(allowed, score_mod, mask_mod, mod_tensors)
     k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos)
     return fwd.out.astype(dt), fwd.lse
 
 
@@ -689,6 +722,9 @@ def lowp_reference_backward(
     mask: Any = None,
     key_lengths: Any = None,
     dtype: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
+    mod_tensors: Any = None,
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of :func:`lowp_reference_forward`, as torch's autograd computes them.
 
@@ -700,6 +736,7 @@ def lowp_reference_backward(
         dP = dO V^T
         dS = P * (dP - rowsum(dP * P))              # softmax backward, float32 P,
                                                     # rounded to dtype
+        dS = dS * score_mod'(s)                     # with a score modifier
         dS = dS * scale                             # backward of "* scale"
         dQ = dS K,  dK = dS^T Q
 
@@ -711,7 +748,7 @@ def lowp_reference_backward(
     ----------
     dout : array, shape (B, H, Nq, D)
         Gradient with respect to ``out``, representable in ``dtype``.
-    q, k, v, scale, causal, window, mask, key_lengths, dtype
+    q, k, v, scale, causal, window, mask, key_lengths, dtype, score_mod, mask_mod, mod_tensors
         As in :func:`lowp_reference_forward`.
 
     Returns
@@ -730,14 +767,17 @@ def lowp_reference_backward(
     allowed, bias = allowed_and_bias(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
+    allowed, smod, pos = _with_mods(allowed, score_mod, mask_mod, mod_tensors)
     k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias)
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos)
     rnd = fwd.rnd
     dO = np.asarray(to_host(dout), dtype=np.float32)
     dv = rnd(np.matmul(np.swapaxes(fwd.Pd, -1, -2), dO))
     dP = rnd(np.matmul(dO, np.swapaxes(fwd.v, -1, -2)))
     rows = np.sum(dP * fwd.P, axis=-1, dtype=np.float32)
     dS = rnd(fwd.P * (dP - rows[..., None]))
+    if fwd.slope is not None:
+        dS = rnd(dS * np.where(fwd.P > 0, fwd.slope, np.float32(0)))
     dS = rnd(dS * fwd.scale)
     dq = rnd(np.matmul(dS, fwd.k))
     dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
