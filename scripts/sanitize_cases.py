@@ -41,6 +41,12 @@ def main(argv=None) -> int:
                                         rng.standard_normal((Nq, Nk))).astype(np.float32)},
     }
     cases["bool_mask"]["mask"][:, :, 5, :] = False
+    # Score and mask modifiers (their tensors on the host: copied into the workspace per call).
+    doc = np.sort(rng.integers(0, 3, (B, max(Nq, Nk))), axis=1).astype(np.int32)
+    cases["alibi_document"] = {"score_mod": "score - slope[h] * abs(i - j)", "mask_mod": "doc[b, i] == doc[b, j]",
+                               "mod_tensors": {"slope": np.array([0.5, 0.25, 0.125, 0.0625], np.float32),
+                                               "doc": doc}, "causal": "bottom_right"}
+    cases["softcap"] = {"score_mod": "30 * tanh(score / 30)", "key_lengths": np.array([0, 90], np.int32)}
     failures = 0
     # Runs (dtype, D, sizes, the cases to run; None: all): head dims 64 and 37
     # (bucket 64) with every case; for 16-bit inputs also the other tile
@@ -53,9 +59,11 @@ def main(argv=None) -> int:
     for dt in dtypes:
         runs += [(dt, D, small, None, H) for D in (64, 37)]
         if dt != "float32":
-            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask"}, H) for D in (128, 150, 256)]
+            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask", "alibi_document"}, H)
+                     for D in (128, 150, 256)]
             runs.append((dt, 128, (4, 12, 300, 257), {"none", "causal_bottom_right"}, 12))
-        runs += [(dt, 64, (2, 4, Nq, Nk), {"none", "causal_bottom_right", "bool_mask", "key_lengths"}, hkv)
+        runs += [(dt, 64, (2, 4, Nq, Nk), {"none", "causal_bottom_right", "bool_mask", "key_lengths", "alibi_document"},
+                  hkv)
                  for hkv in (2, 1)]
     for dtype, D, (B, H, Nq, Nk), names, Hkv in runs:
         np_dtype = NP_DTYPES[dtype]
