@@ -78,12 +78,13 @@ def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none", mods: bool 
     modifiers, ``mods``).
 
     At head dim 128 the backward keeps dK and dV of 64 keys in one
-    warpgroup's registers; a float mask's addressing, or a modifier's,
-    would then spill, so that case stays on the mma.sync kernel.
+    warpgroup's registers; a float mask's addressing would then spill, and
+    so would a modifier's code at head dims 96, 128 and 256: those cases
+    stay on the mma.sync kernel.
     """
     if kind == "fwd":
         return True
-    return not (head_dim == 128 and (mask_kind == "float" or mods))
+    return not ((head_dim == 128 and mask_kind == "float") or (mods and head_dim in (96, 128, 256)))
 
 
 #: Input dtypes the kernels implement.
@@ -395,14 +396,20 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # or modifiers) and for the layout up to head dim 128.
         plain = mask_kind == "none" and MOD_CODE not in out
         wgs = t.bwd90_wgs if (plain and head_dim <= 128) else min(t.bwd90_wgs, 2)
-        out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=t.dq_bc)
+        out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=_dq_bc(t, head_dim, MOD_CODE in out))
     elif pass_.startswith("fwd"):
         out.update(BC=t.fwd_bc, FWD_WARPS=t.fwd_warps)
         if half:
             out["FWD_MT"] = t.fwd_mt
     else:
-        out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=t.dq_bc)
+        out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=_dq_bc(t, head_dim, MOD_CODE in out))
     return out
+
+
+def _dq_bc(t: Any, head_dim: int, mods: bool) -> int:
+    """Keys a step of the deterministic dQ kernel: the tile's, but 16 with a modifier's code at
+    head dim 256 (its dQi takes the registers)."""
+    return 16 if (mods and head_dim >= 256) else t.dq_bc
 
 
 def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,

@@ -73,9 +73,13 @@ def test_variant_count(builds):
     assert len(plain) == 2 * (2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES) + hopper)
     assert sum(r.arch == "sm_90a" for r in plain) == 2 * hopper
     # The modifier variants: 2 pairs x 2 passes x the buckets, per architecture, and on sm_90
-    # the Hopper passes (the backward but at head dim 128, which stays on mma.sync).
+    # the Hopper passes of the 16-bit dtypes where they serve modifiers (the forward at every
+    # bucket, the backward at some: compiler.hopper_serves).
     mods = len(builds) - len(plain)
-    assert mods == 2 * (2 * per_mask * len(ARCHES) + 2 * (2 * len(compiler.HEAD_DIM_BUCKETS_F16) - 1))
+    hopper_mods = sum(compiler.hopper_serves(kind, hd, "none", mods=True)
+                      for kind in ("fwd", "bwd") for hd in compiler.HEAD_DIM_BUCKETS_F16)
+    assert hopper_mods == len(compiler.HEAD_DIM_BUCKETS_F16) + 2
+    assert mods == 2 * (2 * per_mask * len(ARCHES) + 2 * hopper_mods)
 
 
 def test_all_variants_compile(builds):

@@ -38,6 +38,7 @@ SHAPES = {
     "square": (2, 4, 4, 100, 100, 64, {}),
     "causal_longer_keys": (2, 4, 4, 77, 150, 64, dict(causal="bottom_right")),
     "key_lengths_gqa": (2, 4, 2, 130, 61, 64, dict(key_lengths=np.array([61, 40]), causal=True)),
+    "head_dim_256": (1, 2, 2, 70, 90, 256, dict(causal=True)),
 }
 
 
