@@ -402,13 +402,14 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         if half:
             out["FWD_MT"] = t.fwd_mt
     else:
-        out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=_dq_bc(t, head_dim, MOD_CODE in out))
+        out.update(BWD_BR=t.bwd_br, BWD_BC=t.bwd_bc, DQ_BC=_dq_bc(t, head_dim, half and MOD_CODE in out))
     return out
 
 
 def _dq_bc(t: Any, head_dim: int, mods: bool) -> int:
-    """Keys a step of the deterministic dQ kernel: the tile's, but 16 with a modifier's code at
-    head dim 256 (its dQi takes the registers)."""
+    """Keys a step of the deterministic dQ kernel: the tile's, but 16 in the 16-bit passes with a
+    modifier's code at head dim 256 (their dQi takes the registers; the float32 kernel keeps
+    its tile, with which it does not spill)."""
     return 16 if (mods and head_dim >= 256) else t.dq_bc
 
 
