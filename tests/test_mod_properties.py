@@ -4,7 +4,7 @@ CUDA runs skip, with the reason, without PyCUDA or a GPU; on a GPU the 'gpu' pro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List
 
 import numpy as np
 from hypothesis import given
@@ -14,7 +14,8 @@ from pycudaflash import flash_attn_backward, flash_attn_forward
 from pycudaflash.reference import reference_backward, reference_forward
 from pycudaflash.testing import attention_kwargs, attention_problems, check, make_inputs, noise_floors
 
-PROBLEMS = attention_problems(max_batch=2, max_heads=4, max_seqlen=130, max_head_dim=96, dtypes=("float32",))
+MAX_HEAD_DIM = 96
+PROBLEMS = attention_problems(max_batch=2, max_heads=4, max_seqlen=130, max_head_dim=MAX_HEAD_DIM, dtypes=("float32",))
 
 # Templates: {c} is a drawn constant; slope[h], table[...], doc[b, .], prefix[b] are drawn tensors.
 # Each score modifier is smooth in the score (branches and kinks are on positions): at a jump or
@@ -24,6 +25,15 @@ SCORE_MODS = [None, "{c} * tanh(score / {c})", "score - slope[h] * abs(i - j)", 
               "where(i >= j, score, score * 0.5)", "score + min(max(j - i, -{c}), {c}) / 10",
               "score * exp(-abs(i - j) / ({c} + 1))"]
 MASK_MODS = [None, "doc[b, i] == doc[b, j]", "(j <= i) | (j < prefix[b])", "(i - j) % 3 != 1", "~(j == i // 2)"]
+
+# The CUDA runs draw one of these pairs (constants fixed): each distinct expression compiles its own
+# kernels, so the variants they can need are few enough to build in parallel before the first example
+# (_warm_cuda_variants); the NumPy runs draw from the templates above.
+CUDA_PAIRS = [("30.0 * tanh(score / 30.0)", "doc[b, i] == doc[b, j]"),
+              ("score - slope[h] * abs(i - j)", "(j <= i) | (j < prefix[b])"),
+              ("score + table[h, min(max(j - i, -8), 8) + 8]", "(i - j) % 3 != 1"),
+              (None, "~(j == i // 2)"),
+              ("score * exp(-abs(i - j) / 6.0)", None)]
 
 # Bound of check() (relative norm, and the same fraction of the noise floors), float32 tiles
 # against float64: the smallest that passed the worst of 600 drawn examples was 6.8e-7 (dk),
@@ -38,17 +48,19 @@ def test_backends_with_modifiers_match_the_reference(backend: str, data: Any) ->
     problem = data.draw(PROBLEMS, label="problem")
     H = problem.H
     hkv = data.draw(st.sampled_from([d for d in range(1, H + 1) if H % d == 0]), label="hkv")
-    c = data.draw(st.sampled_from([1.5, 5.0, 30.0]), label="c")
-    smod = data.draw(st.sampled_from(SCORE_MODS), label="score_mod")
-    mmod = data.draw(st.sampled_from(MASK_MODS), label="mask_mod")
+    if backend == "numpy":
+        c = data.draw(st.sampled_from([1.5, 5.0, 30.0]), label="c")
+        smod = data.draw(st.sampled_from(SCORE_MODS), label="score_mod")
+        mmod = data.draw(st.sampled_from(MASK_MODS), label="mask_mod")
+        smod = smod.format(c=c) if smod else None
+    else:
+        _warm_cuda_variants()
+        smod, mmod = data.draw(st.sampled_from(CUDA_PAIRS), label="modifiers")
     x = make_inputs(problem)
     g = np.random.default_rng(problem.seed + 1)
     q, k, v, dout = x["q"], x["k"][:, :hkv], x["v"][:, :hkv], x["dout"]
     n = max(problem.Nq, problem.Nk)
-    tensors = dict(slope=g.uniform(0, 0.5, H).astype(np.float32), table=g.standard_normal((H, 17)).astype(np.float32),
-                   doc=np.sort(g.integers(0, 3, (problem.B, n)), axis=1).astype(np.int32),
-                   prefix=g.integers(0, n + 1, problem.B))
-    smod = smod.format(c=c) if smod else None
+    tensors = _tensors(g, problem.B, H, n)
     used = {name: t for name, t in tensors.items() if any(m and name + "[" in m for m in (smod, mmod))}
     mods = dict(score_mod=smod, mask_mod=mmod, mod_tensors=used or None) if (smod or mmod) else {}
     kw = attention_kwargs(problem, x)
@@ -69,3 +81,39 @@ def test_backends_with_modifiers_match_the_reference(backend: str, data: Any) ->
     if finite.any():
         tol = 2e-6 if backend == "numpy" else 6e-6
         np.testing.assert_allclose(lse[finite], r_lse[finite], rtol=tol, atol=tol)
+
+
+def _tensors(g: np.random.Generator, B: int, H: int, n: int) -> Dict[str, np.ndarray]:
+    """The named tensors the modifiers read."""
+    return dict(slope=g.uniform(0, 0.5, H).astype(np.float32), table=g.standard_normal((H, 17)).astype(np.float32),
+                doc=np.sort(g.integers(0, 3, (B, n)), axis=1).astype(np.int32),
+                prefix=g.integers(0, n + 1, B))
+
+
+_warmed: List[str] = []
+
+
+def _warm_cuda_variants() -> None:
+    """Compile, in parallel and once a process, every kernel variant the CUDA runs can draw: each
+    pair of CUDA_PAIRS x the float32 head-dim buckets of PROBLEMS x dense mask kinds x K/V
+    groupings x forward and backward, for the current device."""
+    from pycudaflash import compiler
+    from pycudaflash.mods import as_modifier
+
+    arch = compiler.arch_of_current_device()
+    if arch in _warmed:
+        return
+    tensors = _tensors(np.random.default_rng(0), 2, 4, 8)
+    todo = {}
+    buckets = sorted({compiler.head_dim_bucket(d) for d in range(1, MAX_HEAD_DIM + 1)})
+    for smod, mmod in CUDA_PAIRS:
+        mods = (as_modifier(smod, tensors, "score"), as_modifier(mmod, tensors, "mask"))
+        for hd in buckets:
+            for mask_kind in compiler.MASK_MODES:
+                for groups in (False, True):
+                    for kind in ("fwd", "bwd"):
+                        p = compiler.pass_name(kind, "float32", arch, hd, mask_kind, mods=True)
+                        d = compiler.defines(p, hd, mask_kind, "float32", arch, groups=groups, mods=mods)
+                        todo[(p, repr(sorted(d.items())))] = (p, d)
+    compiler.warm_cache(arch, jobs=16, variants=list(todo.values()))
+    _warmed.append(arch)
