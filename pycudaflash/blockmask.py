@@ -11,7 +11,7 @@ summarised once per (batch, head, query tile, key tile) as
 A :class:`BlockMask` is built once (here with numpy) and can be reused by
 every call and layer with the same mask and tile sizes, as FlexAttention's
 block mask is.  This module is the reference of the summary; the kernels
-that skip EMPTY pairs and read the bits follow in the masking issue.
+do not read it yet (they skip only the tiles outside the band).
 """
 
 from __future__ import annotations

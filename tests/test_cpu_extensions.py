@@ -1,6 +1,6 @@
 """The NumPy backend with score and mask modifiers and with grouped-query attention, against
-the float64 reference, directly and through the public calls (the kernels follow in the masking
-issue)."""
+the float64 reference, directly and through the public calls (the kernels: test_mods_gpu.py,
+test_mod_properties.py and the property suite's K/V groupings)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Grouped-query and multi-query attention in the float64 reference (K/V with fewer heads than
-q); the backends follow in the masking issue."""
+q), against torch SDPA's enable_gqa; the backends are held to the reference by the property
+suite, which draws K/V groupings."""
 
 from __future__ import annotations
 

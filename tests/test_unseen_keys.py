@@ -1,5 +1,6 @@
-"""A key that no query may see is never read: NaN or Inf stored in it changes nothing
-(the NumPy backend and the float64 reference; the kernels follow in the masking issue)."""
+"""A key that no query may see is never read: NaN or Inf stored in it changes nothing (the
+float64 reference, the NumPy backend, and on every backend and dtype for the keys outside the
+band and the key lengths)."""
 
 from __future__ import annotations
 
