@@ -10,8 +10,12 @@ summarised once per (batch, head, query tile, key tile) as
 
 A :class:`BlockMask` is built once (here with numpy) and can be reused by
 every call and layer with the same mask and tile sizes, as FlexAttention's
-block mask is.  This module is the reference of the summary; the kernels
-do not read it yet (they skip only the tiles outside the band).
+block mask is.  :meth:`BlockMask.retile` coarsens a summary to a kernel's own
+tile sizes (a multiple of the ones it was built with), and
+:meth:`BlockMask.key_lists` / :meth:`BlockMask.query_lists` give the tiles a
+forward or a dK/dV pass would visit, PARTIAL and FULL apart
+(:class:`TileLists`).  This module is the reference of the summary; the
+kernels do not read it yet (they skip only the tiles outside the band).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 
 from .semantics import band, normalize_causal, normalize_window
 
-__all__ = ["BlockMask", "build_block_mask", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["BlockMask", "TileLists", "build_block_mask", "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -60,6 +64,66 @@ class BlockMask:
     def sparsity(self) -> float:
         """Fraction of tile pairs that are EMPTY."""
         return float(np.mean(self.kinds == EMPTY))
+
+    def retile(self, block_q: int, block_k: int) -> "BlockMask":
+        """The same mask summarised with larger tiles, multiples of these (a kernel's own tile
+        sizes): a tile of the new grid is EMPTY or FULL when every tile of this grid it covers
+        is, else PARTIAL.  The bits are shared."""
+        for name, new, old in (("block_q", block_q, self.block_q), ("block_k", block_k, self.block_k)):
+            if not isinstance(new, (int, np.integer)) or new < old or new % old:
+                raise ValueError(f"{name} must be a multiple of {old}, got {new!r}")
+        fq, fk = block_q // self.block_q, block_k // self.block_k
+        B, H, Tr, Tc = self.kinds.shape
+        Tr2, Tc2 = -(-Tr // fq), -(-Tc // fk)
+        # Sub-tiles past Nq or Nk do not exist (-1); every new tile covers at least one that does.
+        padded = np.full((B, H, Tr2 * fq, Tc2 * fk), -1, dtype=np.int8)
+        padded[:, :, :Tr, :Tc] = self.kinds
+        blocks = padded.reshape(B, H, Tr2, fq, Tc2, fk)
+        absent = blocks == -1
+        empty = ((blocks == EMPTY) | absent).all(axis=(3, 5))
+        full = ((blocks == FULL) | absent).all(axis=(3, 5))
+        kinds = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        return BlockMask(kinds=kinds, bits=self.bits, block_q=int(block_q), block_k=int(block_k), nq=self.nq,
+                         nk=self.nk)
+
+    def key_lists(self) -> "TileLists":
+        """For each (batch, head, query tile) the key tiles to visit, as a forward pass walks them
+        (EMPTY ones left out), the PARTIAL ones and the FULL ones apart (:class:`TileLists`)."""
+        return _lists(self.kinds)
+
+    def query_lists(self) -> "TileLists":
+        """For each (batch, head, key tile) the query tiles to visit, as a dK/dV pass walks them."""
+        return _lists(np.swapaxes(self.kinds, 2, 3))
+
+
+@dataclass(frozen=True)
+class TileLists:
+    """Tiles to visit per (batch, head, outer tile), in increasing order, padded with -1.
+
+    Attributes
+    ----------
+    partial_count, full_count : ndarray of int32, shape (B, H, T_outer)
+    partial, full : ndarray of int32, shape (B, H, T_outer, T_inner)
+        The first ``*_count`` entries of each row are the inner tiles of that kind.
+    """
+
+    partial_count: np.ndarray
+    partial: np.ndarray
+    full_count: np.ndarray
+    full: np.ndarray
+
+
+def _lists(kinds: np.ndarray) -> TileLists:
+    """TileLists of a (B, H, T_outer, T_inner) kinds array (inner tiles along the last axis)."""
+    out = []
+    for kind in (PARTIAL, FULL):
+        hit = kinds == kind
+        count = hit.sum(axis=-1).astype(np.int32)
+        # A stable sort of (not hit) puts the hit tiles first, in increasing order.
+        order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
+        inner = np.arange(kinds.shape[-1])
+        out += [count, np.where(inner < count[..., None], order, np.int32(-1)).astype(np.int32)]
+    return TileLists(partial_count=out[0], partial=out[1], full_count=out[2], full=out[3])
 
 
 def build_block_mask(B: int, H: int, Nq: int, Nk: int, *, block_q: int = 64, block_k: int = 64,

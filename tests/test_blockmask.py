@@ -49,6 +49,58 @@ def test_summary_and_bits_agree_with_the_element_mask(data) -> None:
             assert np.array_equal(bm.kinds[:, :, r, c], expect), (r, c)
 
 
+def _draw_rules(data, B: int, Nq: int, Nk: int) -> dict:
+    kw = {}
+    if data.draw(st.booleans()):
+        kw["causal"] = data.draw(st.sampled_from([True, "bottom_right"]))
+    if data.draw(st.booleans()):
+        kw["window"] = (data.draw(st.integers(-1, 40)), data.draw(st.integers(-1, 40)))
+    if data.draw(st.booleans()):
+        kw["key_lengths"] = np.array([data.draw(st.integers(0, Nk)) for _ in range(B)])
+    if data.draw(st.booleans()):
+        seed = data.draw(st.integers(0, 2**16))
+        kw["mask"] = np.random.default_rng(seed).random((B, 1, Nq, Nk)) < data.draw(st.sampled_from([0.02, 0.5, 1.0]))
+    return kw
+
+
+@given(data=st.data())
+def test_retiling_equals_summarising_with_the_larger_tiles(data) -> None:
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    Nq, Nk = data.draw(st.integers(1, 200)), data.draw(st.integers(1, 200))
+    bq, bk = data.draw(st.sampled_from([8, 16, 32])), data.draw(st.sampled_from([8, 16, 32]))
+    fq, fk = data.draw(st.sampled_from([1, 2, 4, 8])), data.draw(st.sampled_from([1, 2, 3, 4]))
+    kw = _draw_rules(data, B, Nq, Nk)
+    fine = build_block_mask(B, H, Nq, Nk, block_q=bq, block_k=bk, **kw)
+    coarse = fine.retile(bq * fq, bk * fk)
+    want = build_block_mask(B, H, Nq, Nk, block_q=bq * fq, block_k=bk * fk, **kw)
+    assert np.array_equal(coarse.kinds, want.kinds)
+    assert (coarse.block_q, coarse.block_k, coarse.nq, coarse.nk) == (bq * fq, bk * fk, Nq, Nk)
+    assert np.array_equal(coarse.allowed(), want.allowed())
+
+
+@given(data=st.data())
+def test_tile_lists_hold_each_tile_of_its_kind_once_in_order(data) -> None:
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    Nq, Nk = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    bm = build_block_mask(B, H, Nq, Nk, block_q=16, block_k=32, **_draw_rules(data, B, Nq, Nk))
+    for lists, kinds in ((bm.key_lists(), bm.kinds), (bm.query_lists(), np.swapaxes(bm.kinds, 2, 3))):
+        for kind, count, idx in ((PARTIAL, lists.partial_count, lists.partial), (FULL, lists.full_count, lists.full)):
+            assert idx.shape == kinds.shape and idx.dtype == np.int32 and count.dtype == np.int32
+            for b, h, t in np.ndindex(*kinds.shape[:3]):
+                want = np.flatnonzero(kinds[b, h, t] == kind)
+                n = count[b, h, t]
+                assert n == len(want)
+                assert np.array_equal(idx[b, h, t, :n], want)  # (increasing: flatnonzero's order)
+                assert (idx[b, h, t, n:] == -1).all()
+
+
+def test_retile_refuses_sizes_that_are_not_multiples() -> None:
+    bm = build_block_mask(1, 1, 40, 40, block_q=16, block_k=16)
+    for bq, bk in ((24, 16), (16, 8), (0, 16), (16.0, 16)):
+        with pytest.raises(ValueError, match="must be a multiple of 16"):
+            bm.retile(bq, bk)
+
+
 def test_causal_blocks_of_a_long_sequence() -> None:
     bm = build_block_mask(1, 1, 256, 256, block_q=64, block_k=64, causal=True)
     assert bm.kinds[0, 0].tolist() == [[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [2, 2, 2, 1]]
