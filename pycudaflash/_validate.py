@@ -518,7 +518,7 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
         if mod_tensors:
             raise ValueError("mod_tensors given without a score_mod or mask_mod")
         return None, None, None
-    from .mods import Modifier, _describe
+    from .mods import Modifier, tensor_signature
 
     described, tensors = {}, {}
     for name, t in (mod_tensors or {}).items():
@@ -543,7 +543,7 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
             if missing:
                 raise ValueError(f"{role}_mod reads mod_tensors {sorted(missing)}, which were not given")
             for name, want in m.signature.items():
-                got = _describe(name, described[name])
+                got = tensor_signature(name, described[name])
                 if got != want:
                     raise ValueError(f"{role}_mod was made for mod_tensors[{name!r}] of kind and dimensions {want}, "
                                      f"given {got}")

@@ -163,12 +163,11 @@ def build_block_mask(B: int, H: int, Nq: int, Nk: int, *, block_q: int = 64, blo
             raise TypeError(f"a block mask summarises a bool mask, got {m.dtype}")
         allowed = allowed & np.broadcast_to(m, (B, H, Nq, Nk))
     if mask_mod is not None:
-        from .mods import Modifier
+        from .mods import as_modifier, positions
 
-        mm = mask_mod if isinstance(mask_mod, Modifier) else Modifier(mask_mod, mod_tensors, "mask")
+        mm = as_modifier(mask_mod, mod_tensors, "mask")
         allowed = allowed & np.broadcast_to(
-            mm.evaluate(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
-                        i=i[None, None], j=j[None, None], tensors=mod_tensors), (B, H, Nq, Nk))
+            mm.evaluate(**positions(B, H, range(Nq), range(Nk)), tensors=mod_tensors), (B, H, Nq, Nk))
     allowed = np.ascontiguousarray(np.broadcast_to(allowed, (B, H, Nq, Nk)))
     # Per tile pair: attended elements against the pair's size (edge tiles are smaller).
     Tr, Tc = -(-Nq // block_q), -(-Nk // block_k)

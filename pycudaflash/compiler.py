@@ -414,25 +414,29 @@ def _dq_bc(t: Any, head_dim: int, mods: bool) -> int:
 
 
 def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,
-                 groups: Tuple[bool, ...] = (False, True)) -> Iterator[Tuple[str, Dict[str, int]]]:
+                 groups: Tuple[bool, ...] = (False, True), mods: Tuple[Any, Any] = (None, None),
+                 mask_kinds: Tuple[str, ...] = tuple(MASK_MODES)) -> Iterator[Tuple[str, Dict[str, Any]]]:
     """Every (pass, defines) the library can request on ``arch`` (default sm_90).
 
     On Hopper that includes both the wgmma passes and the mma.sync passes
     they replace (``$PYCUDAFLASH_WGMMA=0`` selects the latter).  ``groups``:
     the variants for k, v with as many heads as q (False) and fewer (True).
+    ``mods``: the score and mask :class:`pycudaflash.mods.Modifier` (or None)
+    the variants carry; ``mask_kinds``: the dense mask kinds to cover.
     """
     arch = arch or "sm_90"
+    with_mods = mods != (None, None)
     for g in groups:
         for dtype in dtypes:
             for kind in ("fwd", "bwd"):
                 for hopper in (False, True):
                     for hd in buckets(dtype):
-                        for mk in MASK_MODES:
-                            pass_ = pass_name(kind, dtype, arch, hd, mk, hopper=hopper)
+                        for mk in mask_kinds:
+                            pass_ = pass_name(kind, dtype, arch, hd, mk, hopper=hopper, mods=with_mods)
                             # (without a Hopper version, both settings name the same pass)
-                            if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False):
+                            if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False, mods=with_mods):
                                 continue
-                            yield pass_, defines(pass_, hd, mk, dtype, arch, groups=g)
+                            yield pass_, defines(pass_, hd, mk, dtype, arch, groups=g, mods=mods)
 
 
 @functools.lru_cache(maxsize=None)
@@ -729,8 +733,8 @@ def cubin(pass_: str, defs: Dict[str, int], arch: str) -> bytes:
     """The cubin of a variant for ``arch``, compiled by PyCUDA (through its disk cache)."""
     from pycuda.compiler import compile as pycuda_compile
 
-    return pycuda_compile(variant_source(pass_, defs), options=options(defs), arch=build_arch(pass_, arch), no_extern_c=True,
-                          cache_dir=_explicit_cache_dir())
+    return pycuda_compile(variant_source(pass_, defs), options=options(defs), arch=build_arch(pass_, arch),
+                          no_extern_c=True, cache_dir=_explicit_cache_dir())
 
 
 #: Seconds a variant may take to come from PyCUDA's cache before :func:`get_module` says that it

@@ -28,6 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from ._problem import Operand, Problem
+from .mods import positions
 from .semantics import Band, band
 
 __all__ = ["forward", "backward", "run_forward", "run_backward"]
@@ -48,11 +49,10 @@ class _Mods:
 
     def __init__(self, score_mod: Any, mask_mod: Any, tensors: Any, B: int, H: int) -> None:
         self.score, self.mask, self.tensors = score_mod, mask_mod, tensors
-        self.b, self.h = np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None]
+        self.B, self.H = B, H
 
     def positions(self, i0: int, i1: int, j0: int, j1: int) -> Dict[str, Any]:
-        return dict(b=self.b, h=self.h, i=np.arange(i0, i1)[None, None, :, None],
-                    j=np.arange(j0, j1)[None, None, None, :], tensors=self.tensors)
+        return dict(positions(self.B, self.H, range(i0, i1), range(j0, j1)), tensors=self.tensors)
 
 
 def _tile_allowed(

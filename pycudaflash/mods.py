@@ -36,7 +36,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Modifier", "score_mod", "mask_mod", "tensor_kind", "kernel_code", "POSITIONS"]
+__all__ = ["Modifier", "as_modifier", "positions", "score_mod", "mask_mod", "tensor_kind", "tensor_signature",
+           "kernel_code", "POSITIONS"]
 
 #: The position names and the score.
 POSITIONS = ("b", "h", "i", "j")
@@ -309,7 +310,7 @@ class Modifier:
             if not name.isidentifier() or name in POSITIONS or name == SCORE or name in FUNCTIONS:
                 raise ValueError(f"mod_tensors: {name!r} cannot name a tensor")
         self.src, self.role = src, role
-        self.signature: Dict[str, Tuple[Kind, int]] = {name: _describe(name, t) for name, t in tensors.items()}
+        self.signature: Dict[str, Tuple[Kind, int]] = {name: tensor_signature(name, t) for name, t in tensors.items()}
         self.node: Node = _Parser(src, self.signature, role == "score").parse()
         self._derivative: Optional["Modifier"] = None
         want = "float" if role == "score" else "bool"
@@ -399,7 +400,7 @@ def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tu
     return names, "".join(parts)
 
 
-def _describe(name: str, t: Any) -> Tuple[Kind, int]:
+def tensor_signature(name: str, t: Any) -> Tuple[Kind, int]:
     """(element kind, dimensions) of a numpy, torch or cupy array, or of anything numpy converts."""
     dtype = getattr(t, "dtype", None)
     if dtype is not None and str(dtype).startswith("torch."):
@@ -423,6 +424,13 @@ def as_modifier(m: Any, tensors: Optional[Mapping[str, Any]], role: str) -> Opti
             raise ValueError(f"a {m.role}_mod was given as {role}_mod")
         return m
     return Modifier(m, tensors, role)
+
+
+def positions(B: int, H: int, rows: Any, cols: Any) -> Dict[str, np.ndarray]:
+    """The positions a modifier reads, as grids that broadcast to (B, H, len(rows), len(cols)):
+    ``b``, ``h``, ``i`` (the query positions ``rows``) and ``j`` (the key positions ``cols``)."""
+    return dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
+                i=np.asarray(rows)[None, None, :, None], j=np.asarray(cols)[None, None, None, :])
 
 
 def score_mod(src: str, tensors: Optional[Mapping[str, Any]] = None) -> Modifier:

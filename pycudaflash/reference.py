@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from .mods import as_modifier
+from .mods import as_modifier, positions
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["reference_forward", "reference_backward", "masked_scores", "softmax_parts", "repeat_kv_heads",
@@ -112,8 +112,7 @@ def _scores(q: np.ndarray, k: np.ndarray, scale: Optional[float], causal: Any, w
 
     # Modifiers read b, h, i, j as broadcast grids; mask_mod excludes like the other conditions.
     smod, mmod = as_modifier(score_mod, mod_tensors, "score"), as_modifier(mask_mod, mod_tensors, "mask")
-    pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
-               i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :], tensors=mod_tensors)
+    pos = dict(positions(B, H, range(Nq), range(Nk)), tensors=mod_tensors)
     if mmod is not None:
         allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), (B, H, Nq, Nk))
     # A key no query may see is never read: zero it (a NaN or Inf stored there changes nothing).

@@ -568,12 +568,10 @@ def _with_mods(allowed: np.ndarray, score_mod: Any, mask_mod: Any, mod_tensors: 
                ) -> Tuple[np.ndarray, Any, Dict[str, Any]]:
     """``allowed`` with ``mask_mod`` applied, the score Modifier (or None), and the position grids
     the modifiers read."""
-    from .mods import as_modifier
+    from .mods import as_modifier, positions
 
     B, H, Nq, Nk = allowed.shape
-    pos = dict(b=np.arange(B)[:, None, None, None], h=np.arange(H)[None, :, None, None],
-               i=np.arange(Nq)[None, None, :, None], j=np.arange(Nk)[None, None, None, :],
-               tensors=mod_tensors)
+    pos = dict(positions(B, H, range(Nq), range(Nk)), tensors=mod_tensors)
     mmod = as_modifier(mask_mod, mod_tensors, "mask")
     if mmod is not None:
         allowed = allowed & np.broadcast_to(mmod.evaluate(**pos), allowed.shape)

@@ -21,35 +21,8 @@ def _allowed(B, H, Nq, Nk, **kw) -> np.ndarray:
     return np.isfinite(S)
 
 
-@given(data=st.data())
-def test_summary_and_bits_agree_with_the_element_mask(data) -> None:
-    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
-    Nq, Nk = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
-    bq, bk = data.draw(st.sampled_from([16, 32, 64])), data.draw(st.sampled_from([16, 32, 64]))
-    kw = {}
-    if data.draw(st.booleans()):
-        kw["causal"] = data.draw(st.sampled_from([True, "bottom_right"]))
-    if data.draw(st.booleans()):
-        kw["window"] = (data.draw(st.integers(-1, 40)), data.draw(st.integers(-1, 40)))
-    if data.draw(st.booleans()):
-        kw["key_lengths"] = np.array([data.draw(st.integers(0, Nk)) for _ in range(B)])
-    seed = data.draw(st.integers(0, 2**16))
-    if data.draw(st.booleans()):
-        kw["mask"] = np.random.default_rng(seed).random((B, 1, Nq, Nk)) < data.draw(st.sampled_from([0.02, 0.5, 1.0]))
-    if data.draw(st.booleans()):
-        doc = np.sort(np.random.default_rng(seed + 1).integers(0, 4, (B, max(Nq, Nk))), axis=1)
-        kw.update(mask_mod="doc[b, i] == doc[b, j]", mod_tensors={"doc": doc})
-    want = _allowed(B, H, Nq, Nk, **kw)
-    bm = build_block_mask(B, H, Nq, Nk, block_q=bq, block_k=bk, **kw)
-    assert np.array_equal(bm.allowed(), want)
-    for r in range(bm.kinds.shape[2]):
-        for c in range(bm.kinds.shape[3]):
-            tile = want[:, :, r * bq:(r + 1) * bq, c * bk:(c + 1) * bk]
-            expect = np.where(~tile.any(axis=(2, 3)), EMPTY, np.where(tile.all(axis=(2, 3)), FULL, PARTIAL))
-            assert np.array_equal(bm.kinds[:, :, r, c], expect), (r, c)
-
-
 def _draw_rules(data, B: int, Nq: int, Nk: int) -> dict:
+    """Masking rules drawn for a (B, ., Nq, Nk) problem: causal, window, key lengths, a bool mask."""
     kw = {}
     if data.draw(st.booleans()):
         kw["causal"] = data.draw(st.sampled_from([True, "bottom_right"]))
@@ -61,6 +34,26 @@ def _draw_rules(data, B: int, Nq: int, Nk: int) -> dict:
         seed = data.draw(st.integers(0, 2**16))
         kw["mask"] = np.random.default_rng(seed).random((B, 1, Nq, Nk)) < data.draw(st.sampled_from([0.02, 0.5, 1.0]))
     return kw
+
+
+@given(data=st.data())
+def test_summary_and_bits_agree_with_the_element_mask(data) -> None:
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    Nq, Nk = data.draw(st.integers(1, 150)), data.draw(st.integers(1, 150))
+    bq, bk = data.draw(st.sampled_from([16, 32, 64])), data.draw(st.sampled_from([16, 32, 64]))
+    kw = _draw_rules(data, B, Nq, Nk)
+    if data.draw(st.booleans()):
+        seed = data.draw(st.integers(0, 2**16))
+        doc = np.sort(np.random.default_rng(seed).integers(0, 4, (B, max(Nq, Nk))), axis=1)
+        kw.update(mask_mod="doc[b, i] == doc[b, j]", mod_tensors={"doc": doc})
+    want = _allowed(B, H, Nq, Nk, **kw)
+    bm = build_block_mask(B, H, Nq, Nk, block_q=bq, block_k=bk, **kw)
+    assert np.array_equal(bm.allowed(), want)
+    for r in range(bm.kinds.shape[2]):
+        for c in range(bm.kinds.shape[3]):
+            tile = want[:, :, r * bq:(r + 1) * bq, c * bk:(c + 1) * bk]
+            expect = np.where(~tile.any(axis=(2, 3)), EMPTY, np.where(tile.all(axis=(2, 3)), FULL, PARTIAL))
+            assert np.array_equal(bm.kinds[:, :, r, c], expect), (r, c)
 
 
 @given(data=st.data())

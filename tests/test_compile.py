@@ -38,14 +38,7 @@ def _mod_variants(arch):
              (score_mod("30 * tanh(score / 30)"), mask_mod("(j <= i) | (j < prefix[b])",
                                                             dict(prefix=np.zeros(2, np.int32))))]
     for mods in pairs:
-        for dtype in compiler.DTYPES:
-            for kind in ("fwd", "bwd"):
-                for hopper in (False, True):
-                    for hd in compiler.buckets(dtype):
-                        pass_ = compiler.pass_name(kind, dtype, arch, hd, hopper=hopper, mods=True)
-                        if hopper and pass_ == compiler.pass_name(kind, dtype, arch, hd, hopper=False, mods=True):
-                            continue
-                        yield pass_, compiler.defines(pass_, hd, "none", dtype, arch, mods=mods)
+        yield from compiler.all_variants(arch=arch, groups=(False,), mods=mods, mask_kinds=("none",))
 
 
 @pytest.fixture(scope="module")

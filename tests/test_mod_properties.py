@@ -104,16 +104,11 @@ def _warm_cuda_variants() -> None:
     if arch in _warmed:
         return
     tensors = _tensors(np.random.default_rng(0), 2, 4, 8)
-    todo = {}
-    buckets = sorted({compiler.head_dim_bucket(d) for d in range(1, MAX_HEAD_DIM + 1)})
-    for smod, mmod in CUDA_PAIRS:
-        mods = (as_modifier(smod, tensors, "score"), as_modifier(mmod, tensors, "mask"))
-        for hd in buckets:
-            for mask_kind in compiler.MASK_MODES:
-                for groups in (False, True):
-                    for kind in ("fwd", "bwd"):
-                        p = compiler.pass_name(kind, "float32", arch, hd, mask_kind, mods=True)
-                        d = compiler.defines(p, hd, mask_kind, "float32", arch, groups=groups, mods=mods)
-                        todo[(p, repr(sorted(d.items())))] = (p, d)
-    compiler.warm_cache(arch, jobs=16, variants=list(todo.values()))
+    buckets = {compiler.head_dim_bucket(d) for d in range(1, MAX_HEAD_DIM + 1)}
+    todo = [(p, d) for smod, mmod in CUDA_PAIRS
+            for p, d in compiler.all_variants(("float32",), arch,
+                                              mods=(as_modifier(smod, tensors, "score"),
+                                                    as_modifier(mmod, tensors, "mask")))
+            if d["HEAD_DIM"] in buckets]
+    compiler.warm_cache(arch, jobs=16, variants=todo)
     _warmed.append(arch)
