@@ -200,3 +200,6 @@ def clear() -> None:
     process, call this so that repeated signatures are planned again.
     """
     _plans.clear()
+    fast = sys.modules.get("pycudaflash._fastpath")  # (the C++ host path of the torch operators)
+    if fast is not None:
+        fast.clear()

@@ -585,6 +585,47 @@ class _Plan:
             for launch in self._launches:
                 launch(stream)
 
+    def export(self, ctx: int, stream: int) -> List[int]:
+        """The plan as int64 words for the C++ host path (``pycudaflash/csrc/torch_ops.cpp``, which
+        documents the layout), its job counter that of ``stream``.  Plans with modifiers, whose
+        struct holds a call's tensor addresses, and host key lengths stay with :meth:`launch`."""
+        if self.mod_names:
+            raise ValueError("a plan with modifier tensors cannot be exported")
+        counter = 0
+        if self.counter:
+            _, pushed = _driver.enter(_driver.context_device(ctx))
+            try:
+                counter = _job_counter(ctx, stream)
+            finally:
+                _driver.leave(pushed)
+        raw = bytes(self.struct)
+        raw += bytes(-len(raw) % 8)
+        struct_words = list(struct.unpack(f"<{len(raw) // 8}q", raw))
+        derived = self.pointers.derived
+        words = [EXPORT_VERSION, ctx, self.N_VALS, self.KL, self.WS, self.CNT if self.counter else -1, counter,
+                 self.ws_bytes, len(derived), len(struct_words), len(self.kernels)]
+        for triple in derived:
+            words += triple
+        words += struct_words
+        base = ctypes.addressof(self.pointers.array)
+        for k in self.kernels:
+            n = len(k.addrs)
+            words += [k.fn, *k.grid, *k.block, k.smem, n]
+            refs = {i for i, _, _ in k.refs}
+            for i in range(n):
+                if i in refs:
+                    words += [(k.addrs[i] - base) // 8, 0]
+                elif i == n - 1:
+                    words += [EXPORT_STRUCT, 0]
+                else:
+                    words += [EXPORT_VALUE, k.slots[i]]
+        return [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+
+
+#: Version of the layout :meth:`_Plan.export` writes, and its codes of a kernel's struct parameter
+#: and of a parameter passed by value.
+EXPORT_VERSION, EXPORT_STRUCT, EXPORT_VALUE = 1, -1, -2
+
 
 class ForwardPlan(_Plan):
     """The forward launches of one call signature.

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _calls, _driver, _validate, cuda_backend
+from . import _calls, _driver, _fastpath, _validate, cuda_backend
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["flash_attention"]
@@ -111,15 +111,22 @@ def flash_attention(
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     # The common case first: plain tensors with rows of D contiguous elements, no mask or key
-    # lengths, eagerly (each check here costs host time on every call).
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and mask is None
+    # lengths, eagerly (each check here costs host time on every call); on CUDA with the C++
+    # host path loaded, straight to the operator.
+    if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and mask is None
             and key_lengths is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
+        if (_cpp_serves and score_mod is None and mask_mod is None and mod_tensors is None and q.is_cuda
+                and not _is_compiling()):
+            out, lse = _flash_fwd_op(q, k, v, None, None, *opts, deterministic)
+            return (out, lse) if return_lse else out
+    else:
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     kl = None if key_lengths is None else _key_lengths_tensor(key_lengths)
     if score_mod is not None or mask_mod is not None or mod_tensors is not None:
         return _with_mods(q, k, v, mask, kl, opts, deterministic, return_lse,
                           dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors))
-    if torch.compiler.is_compiling() or not _plain(q, k, v, mask, kl):
+    if _is_compiling() or not _plain(q, k, v, mask, kl) or (q.is_cuda and _cpp_loaded()):
+        # (the operator: its autograd and CUDA kernels are C++ where the C++ host path is loaded)
         out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, *opts, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         if not return_lse:
@@ -128,6 +135,18 @@ def flash_attention(
     else:
         out, lse, _ = _forward_impl(q, k, v, mask, kl, opts, return_lse)
     return (out, lse) if return_lse else out
+
+
+_is_compiling = torch.compiler.is_compiling
+#: Whether the C++ host path has loaded (pycudaflash._fastpath), known once a CUDA call asked.
+_cpp_serves = False
+
+
+def _cpp_loaded() -> bool:
+    """Whether the C++ host path serves CUDA calls (loading it on the first call)."""
+    global _cpp_serves
+    _cpp_serves = _fastpath.loaded()
+    return _cpp_serves
 
 
 def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
@@ -395,17 +414,25 @@ class _Attention(torch.autograd.Function):
 
 # ---------------------------------------------------------- custom operators
 #
-# Defined with torch.library.Library and Python kernels registered for the
-# CPU and CUDA dispatch keys: a call costs one dispatcher round trip (6.4 us
-# on the H200 machine's host against 17 us for the same signature made with
-# torch.library.custom_op, whose Python wrappers run on every call).
+# Defined with torch.library.Library.  The Python kernels below are registered
+# for CompositeExplicitAutograd (every device) and the autograd in Python for
+# the Autograd alias key; where the C++ host path loads (pycudaflash._fastpath),
+# it registers kernels for the CUDA and AutogradCUDA keys, which take
+# precedence for CUDA tensors.  _flash_fwd_py / _flash_bwd_py are the Python
+# kernels under their own names (the C++ kernels hand them the calls they do
+# not serve), _fast_plan plans a signature for the C++ path.
 
+_FWD_ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? key_lengths, str causal, int window_left, "
+             "int window_right, float scale, bool deterministic")
+_BWD_ARGS = ("Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+             "Tensor? key_lengths, str causal, int window_left, int window_right, float scale, bool deterministic")
 _lib = torch.library.Library("pycudaflash", "DEF")
-_lib.define("flash_fwd(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? key_lengths, str causal, "
-            "int window_left, int window_right, float scale, bool deterministic) -> (Tensor, Tensor)")
-_lib.define("flash_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-            "Tensor? key_lengths, str causal, int window_left, int window_right, float scale, "
-            "bool deterministic) -> (Tensor, Tensor, Tensor)")
+for _name in ("flash_fwd", "_flash_fwd_py"):
+    _lib.define(f"{_name}({_FWD_ARGS}) -> (Tensor, Tensor)")
+for _name in ("flash_bwd", "_flash_bwd_py"):
+    _lib.define(f"{_name}({_BWD_ARGS}) -> (Tensor, Tensor, Tensor)")
+_lib.define("_fast_plan(str kind, Tensor[] tensors, Tensor? mask, Tensor? key_lengths, str causal, "
+            "int window_left, int window_right, float scale, bool deterministic, int stream) -> Tensor")
 
 
 def flash_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
@@ -423,15 +450,41 @@ def flash_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
                           deterministic)
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("flash_fwd", flash_fwd, _key)
-    _lib.impl("flash_bwd", flash_bwd, _key)
+def _fast_plan(kind: str, tensors: List[Tensor], mask: Optional[Tensor], key_lengths: Optional[Tensor],
+               causal: str, window_left: int, window_right: int, scale: float, deterministic: bool,
+               stream: int) -> Tensor:
+    """The plan of a CUDA call of pass ``kind`` for the C++ host path, validated in full on the
+    call's tensors (``tensors``: the pass's inputs, then the outputs the C++ kernel allocated):
+    the int64 words of :meth:`pycudaflash.cuda_backend._Plan.export`."""
+    causal_arg = causal if causal != "none" else False
+    common = dict(causal=causal_arg, window=(window_left, window_right), mask=mask, key_lengths=None, scale=scale)
+    if kind == "fwd":
+        q, k, v, out, lse = tensors
+        _check_device_key_lengths(key_lengths, q)
+        prob = _validate.validate_forward(q, k, v, out=out, lse=lse, **common)
+    elif kind == "bwd":
+        dout, q, k, v, out, lse, dq, dk, dv = tensors
+        _check_device_key_lengths(key_lengths, q)
+        prob = _validate.validate_backward(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                                           **common)
+    else:
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    plan, ctx, _ = cuda_backend.plan(prob, kind)
+    return torch.tensor(plan.export(ctx, stream), dtype=torch.int64)
+
+
+for _name, _fn in (("flash_fwd", flash_fwd), ("_flash_fwd_py", flash_fwd), ("flash_bwd", flash_bwd),
+                   ("_flash_bwd_py", flash_bwd)):
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+_lib.impl("_fast_plan", _fast_plan, "CUDA")
 
 
 @torch.library.register_fake("pycudaflash::flash_fwd")
 def _flash_fwd_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], key_lengths: Optional[Tensor],
                     causal: str, window_left: int, window_right: int, scale: float,
                     deterministic: bool) -> Tuple[Tensor, Tensor]:
+    if q.device.type == "cuda":
+        _cpp_loaded()  # (traced for CUDA: the compiled graph's calls then take the C++ path)
     return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -457,3 +510,4 @@ def _backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
 
 
 torch.library.register_autograd("pycudaflash::flash_fwd", _backward, setup_context=_setup_context)
+_flash_fwd_op = torch.ops.pycudaflash.flash_fwd.default

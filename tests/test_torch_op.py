@@ -320,6 +320,54 @@ def _fwd_bwd(q: Any, k: Any, v: Any, dout: Any) -> Tuple[Any, ...]:
     return (out,) + torch.autograd.grad(out, (q, k, v), dout)
 
 
+_HOST_PATH_PROBLEMS = (
+    AttentionProblem(B=2, H=3, Nq=97, Nk=257, D=64, dtype="bfloat16", causal="bottom_right", seed=31),
+    AttentionProblem(B=1, H=4, Nq=130, Nk=77, D=128, dtype="float16", Hkv=2, window=(33, 0), seed=32),
+    AttentionProblem(B=2, H=2, Nq=65, Nk=113, D=64, dtype="bfloat16", key_lengths=(50, 113), mask_kind="bool",
+                     mask_shape="1HNqNk", layout="bnhd", seed=33),
+    AttentionProblem(B=1, H=2, Nq=17, Nk=200, D=32, dtype="float32", mask_kind="float", mask_shape="NqNk",
+                     seed=34),
+    AttentionProblem(B=1, H=2, Nq=129, Nk=129, D=256, dtype="bfloat16", causal=True, seed=35),
+)
+
+
+def _python_path(q: Any, k: Any, v: Any, *, causal: Any = False, window: Any = None, mask: Any = None,
+                 key_lengths: Any = None, scale: Any = None, deterministic: bool = False,
+                 return_lse: bool = True) -> Tuple[Any, Any]:
+    """The operator's eager Python implementation (the autograd function of pycudaflash.torch)."""
+    from pycudaflash import torch as pt
+
+    opts = pt._options(q, causal, window, scale)
+    kl = None if key_lengths is None else pt._key_lengths_tensor(key_lengths)
+    return pt._Attention.apply(q, k, v, mask, kl, opts, deterministic, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", _HOST_PATH_PROBLEMS, ids=lambda p: f"{p.dtype}-D{p.D}-{p.Nq}x{p.Nk}")
+def test_cpp_host_path_gives_the_python_paths_bits(problem: AttentionProblem) -> None:
+    """With a C++ compiler the C++ host path loads and serves CUDA calls (forward, autograd,
+    backward) with the bits of the Python path, in every kind of call; key lengths given on the
+    host go through its hand-over to the Python kernels."""
+    _need("cuda")
+    from pycudaflash import _fastpath
+
+    assert _fastpath.loaded(), _fastpath.reason
+    x = make_inputs(problem)
+    for deterministic in (True, False):
+        ours = _run_op(problem, x, "cuda", deterministic=deterministic)
+        python = _run_op(problem, x, "cuda", fn=_python_path, deterministic=deterministic)
+        names = ("out", "lse", "dq", "dk", "dv") if deterministic else ("out", "lse")
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, python):
+            if name in names:
+                assert torch.equal(a, b), f"{name}: the C++ host path differs from the Python path"
+    if problem.key_lengths is not None:
+        host = dict(attention_kwargs(problem, x), key_lengths=list(problem.key_lengths))
+        host["mask"] = _op_kwargs(problem, x, "cuda")["mask"]
+        q, k, v = (_tensor(x[n], "cuda") for n in ("q", "k", "v"))
+        out, lse = flash_attention(q, k, v, **host, return_lse=True)
+        assert torch.equal(out, ours[0]) and torch.equal(lse, ours[1])
+
+
 @pytest.mark.gpu
 def test_op_on_a_side_stream_gives_the_default_streams_bits() -> None:
     _need("cuda")
