@@ -1,0 +1,62 @@
+"""The C++ host path of the torch operators (``pycudaflash._fastpath``) builds and registers.
+
+Without a GPU these tests compile ``csrc/torch_ops.cpp`` against the installed
+torch and load it, so a C++ error shows in CI; what it computes is tested on
+the GPU (``test_torch_op.test_cpp_host_path_gives_the_python_paths_bits``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[test]')")
+
+from pycudaflash import _fastpath  # noqa: E402
+from pycudaflash.torch import flash_attention  # noqa: E402
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx!r} is not on PATH)")
+    return cxx
+
+
+def test_library_builds_loads_and_registers_the_cuda_kernels(tmp_path: Path) -> None:
+    _compiler()
+    path = tmp_path / "torch_ops.so"
+    _fastpath.build(path)
+    torch.ops.load_library(str(path))
+    for op, key in (("flash_fwd", "CUDA"), ("flash_bwd", "CUDA"), ("flash_fwd", "AutogradCUDA")):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"pycudaflash::{op}", key), (op, key)
+    # CPU tensors keep their Python kernels and autograd.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    (rq,) = torch.autograd.grad(ref.sum(), (q,))
+    assert torch.allclose(dq, rq, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_reports_the_compiler_error(tmp_path: Path, monkeypatch: Any) -> None:
+    _compiler()
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(_fastpath, "SOURCE", bad)
+    with pytest.raises(RuntimeError, match="broken.cpp"):
+        _fastpath.build(tmp_path / "broken.so")
+    assert not (tmp_path / "broken.so").exists()
+
+
+def test_the_environment_variable_turns_the_path_off(monkeypatch: Any) -> None:
+    monkeypatch.setenv(_fastpath.ENV, "0")
+    assert not _fastpath.enabled()
+    monkeypatch.setenv(_fastpath.ENV, "1")
+    assert _fastpath.enabled()
