@@ -501,11 +501,26 @@ __device__ __forceinline__ i64 warp_first_row() {
     return ((i64)blockIdx.x * (PRE_THREADS / WARP_SIZE) + threadIdx.x / WARP_SIZE) * PRE_ROWS;
 }
 
-// Element (b, h, i) of a strided (B, H, Nq, ...) array for row (b*H + h)*Nq + i.
-template <typename T>
-__device__ __forceinline__ T *row_ptr(T *base, i64 row, int H, int Nq, i64 sb, i64 sh, i64 sn) {
+// (b, h, i) of row (b*H + h)*Nq + i, found once per row for every array
+// the row touches.  32-bit divisions where the rows fit, as they nearly
+// always do (a 64-bit division is a long emulated sequence, and these
+// kernels do little else).
+struct RowCoord {
+    i64 b, h, i;
+};
+__device__ __forceinline__ RowCoord row_coord(i64 row, int H, int Nq) {
+    if (row <= 0xffffffffll) {
+        const unsigned r = (unsigned)row, bh = r / (unsigned)Nq;
+        return {(i64)(bh / (unsigned)H), (i64)(bh % (unsigned)H), (i64)(r - bh * (unsigned)Nq)};
+    }
     const i64 bh = row / Nq;
-    return base + (bh / H) * sb + (bh % H) * sh + (row - bh * Nq) * sn;
+    return {bh / H, bh % H, row - bh * Nq};
+}
+
+// Element (b, h, i) of a strided (B, H, Nq, ...) array.
+template <typename T>
+__device__ __forceinline__ T *row_ptr(T *base, const RowCoord &c, i64 sb, i64 sh, i64 sn) {
+    return base + c.b * sb + c.h * sh + c.i * sn;
 }
 
 // Di = rowsum(dOi o Oi) (float32) and Li * log2(e) of this warp's rows into
@@ -521,12 +536,15 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
     const int lane = threadIdx.x % WARP_SIZE;
     if (row0 >= total_rows) return;
     const T *dorow[PRE_ROWS], *orow[PRE_ROWS];
+    const float *lrow[PRE_ROWS];
     float acc[PRE_ROWS];
 #pragma unroll
     for (int r = 0; r < PRE_ROWS; ++r) {
-        const i64 row = min(row0 + r, total_rows - 1);  // (rows past the end repeat the last, unstored)
-        dorow[r] = row_ptr(dO, row, H, Nq, do_sb, do_sh, do_sn);
-        orow[r] = row_ptr(O, row, H, Nq, o_sb, o_sh, o_sn);
+        // (rows past the end repeat the last, unstored)
+        const RowCoord c = row_coord(min(row0 + r, total_rows - 1), H, Nq);
+        dorow[r] = row_ptr(dO, c, do_sb, do_sh, do_sn);
+        orow[r] = row_ptr(O, c, o_sb, o_sh, o_sn);
+        lrow[r] = row_ptr(LSE, c, l_sb, l_sh, l_sn);
         acc[r] = 0.f;
     }
     for (int d = lane; d < D; d += WARP_SIZE)
@@ -547,7 +565,7 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
         const i64 row = row0 + r;
         if (lane == 0 && row < total_rows) {
             Dvec[row] = acc[r];
-            L2vec[row] = *row_ptr(LSE, row, H, Nq, l_sb, l_sh, l_sn) * LOG2E;
+            L2vec[row] = *lrow[r] * LOG2E;
         }
     }
 }
@@ -564,7 +582,8 @@ __device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H
     const int rows = (int)min((i64)PRE_ROWS, total_rows - row0);
     T *dst[PRE_ROWS];
 #pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r) dst[r] = row_ptr(dQ, min(row0 + r, total_rows - 1), H, Nq, dq_sb, dq_sh, dq_sn);
+    for (int r = 0; r < PRE_ROWS; ++r)
+        dst[r] = row_ptr(dQ, row_coord(min(row0 + r, total_rows - 1), H, Nq), dq_sb, dq_sh, dq_sn);
     const float *src = dQacc + row0 * D;
     // Column pairs (d, d+1); with D even a pair is one aligned float2.
     for (int d = 2 * lane; d < D; d += 2 * WARP_SIZE) {
