@@ -16,15 +16,17 @@ torch's *current* stream, with outputs and workspaces from torch's caching
 allocator, and never synchronise; CPU tensors run the NumPy backend, so the
 operator and its gradients work (slowly) without a GPU.
 
-An eager call on plain tensors goes straight to the same implementation the
-operators call, through one ``torch.autograd.Function``, which saves the
-operator dispatch and the Python autograd wrapper of a registered operator;
-under ``torch.compile`` and for tensor subclasses (fake tensors, ...) the
-operators run.
-
-Each call signature (shapes, strides, dtype, device, options) is planned
-once (validation, kernel variant, grid, packed parameters); a repeated call
-only allocates its outputs and launches.
+For CUDA tensors the operators' kernels and the forward's autograd are C++
+(``csrc/torch_ops.cpp``, built and loaded by :mod:`pycudaflash._fastpath` on
+the first CUDA call): a repeated call runs no Python past
+:func:`flash_attention` itself, and the backward none at all.  Each call
+signature (shapes, strides, dtypes, devices, options, stream) is planned once
+by the Python operator ``_fast_plan`` (validation, kernel variant, grid,
+packed parameters); a repeated call only allocates its outputs and launches.
+Where the C++ path is off (``$PYCUDAFLASH_TORCH_CPP=0``) or could not be
+built, an eager call on plain tensors runs the same Python implementation
+the operators' Python kernels run, through one ``torch.autograd.Function``,
+with plans cached per signature in :mod:`pycudaflash._calls`.
 """
 
 from __future__ import annotations

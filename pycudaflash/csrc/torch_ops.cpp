@@ -32,6 +32,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -292,6 +293,54 @@ void put_workspace(const Plan &plan, const Tensor &like, uint64_t (&slots)[MAX_S
 
 bool host_key_lengths(const OptTensor &kl) { return kl.has_value() && kl->defined() && !kl->is_cuda(); }
 
+struct Options {
+  c10::string_view causal;
+  int64_t left, right;
+  double scale;
+  bool deterministic;
+};
+
+// Run pass `pass` (0: "fwd", 1: "bwd") of a call on torch's current stream.  `operands`: the
+// pass's tensors in the order _fast_plan takes them (for the forward q, k, v, out, lse; for the
+// backward dout, q, k, v, out, lse, dq, dk, dv); `keyed`: those whose layouts the signature
+// holds (the outputs' layouts follow from them).
+template <size_t N>
+void run_pass(int64_t pass, const char *kind, const std::array<const Tensor *, N> &operands,
+              std::initializer_list<const Tensor *> keyed, const OptTensor &mask, const OptTensor &kl,
+              const Options &o) {
+  // Value slots, in the order of cuda_backend.ForwardPlan / BackwardPlan: the operands (the
+  // backward's dout after out), the mask, then the key lengths and workspace (plan->*_slot).
+  static_assert(N == 5 || N == 9, "a forward or backward pass");
+  static constexpr int kOrder[2][9] = {{0, 1, 2, 3, 4}, {1, 2, 3, 4, 0, 5, 6, 7, 8}};
+  const Tensor &like = *operands[N == 5 ? 0 : 1];
+  void *stream = current_stream(like);
+  uint64_t slots[MAX_SLOTS] = {};
+  uint64_t low = 0;
+  for (size_t i = 0; i < N; ++i)
+    low |= slots[i] = reinterpret_cast<uint64_t>(operands[kOrder[pass][i]]->data_ptr());
+  slots[N] = ptr_of(mask);
+  const uint64_t kl_ptr = ptr_of(kl);
+  std::vector<int64_t> key;
+  key.reserve(96);
+  key.push_back(pass);
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(stream)));
+  key.push_back(((low | slots[N] | kl_ptr) & 15) == 0);
+  for (const Tensor *t : keyed) add_tensor(key, *t);
+  add_optional(key, mask);
+  add_optional(key, kl);
+  add_options(key, o.causal, o.left, o.right, o.scale, o.deterministic);
+  const auto tensors = [&] {
+    std::vector<Tensor> v;
+    for (const Tensor *t : operands) v.push_back(*t);
+    return v;
+  };
+  auto plan = find_plan(key, kind, tensors, mask, kl, o.causal, o.left, o.right, o.scale, o.deterministic, stream);
+  if (plan->kl_slot >= 0) slots[plan->kl_slot] = kl_ptr;
+  Tensor ws;
+  put_workspace(*plan, like, slots, ws);
+  launch(*plan, slots, stream);
+}
+
 // ------------------------------------------------------------ the CUDA kernels
 
 std::tuple<Tensor, Tensor> flash_fwd_cuda(const Tensor &q, const Tensor &k, const Tensor &v, const OptTensor &mask,
@@ -308,33 +357,8 @@ std::tuple<Tensor, Tensor> flash_fwd_cuda(const Tensor &q, const Tensor &k, cons
   TORCH_CHECK(q.dim() == 4, "q must have 4 dimensions (B, H, Nq, D), got ", q.dim());
   Tensor out = empty_like_layout(q);
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  void *stream = current_stream(q);
-  // Value slots, in cuda_backend.ForwardPlan order: q, k, v, out, lse, mask, key lengths, ...
-  uint64_t slots[MAX_SLOTS] = {};
-  slots[0] = reinterpret_cast<uint64_t>(q.data_ptr());
-  slots[1] = reinterpret_cast<uint64_t>(k.data_ptr());
-  slots[2] = reinterpret_cast<uint64_t>(v.data_ptr());
-  slots[3] = reinterpret_cast<uint64_t>(out.data_ptr());
-  slots[4] = reinterpret_cast<uint64_t>(lse.data_ptr());
-  slots[5] = ptr_of(mask);
-  const uint64_t kl_ptr = ptr_of(kl);
-  std::vector<int64_t> key;
-  key.reserve(64);
-  key.push_back(0);  // (the pass)
-  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(stream)));
-  key.push_back(((slots[0] | slots[1] | slots[2] | slots[3] | slots[4] | slots[5] | kl_ptr) & 15) == 0);
-  add_tensor(key, q);
-  add_tensor(key, k);
-  add_tensor(key, v);
-  add_optional(key, mask);
-  add_optional(key, kl);
-  add_options(key, causal, left, right, scale, deterministic);
-  const auto operands = [&] { return std::vector<Tensor>{q, k, v, out, lse}; };
-  auto plan = find_plan(key, "fwd", operands, mask, kl, causal, left, right, scale, deterministic, stream);
-  if (plan->kl_slot >= 0) slots[plan->kl_slot] = kl_ptr;
-  Tensor ws;
-  put_workspace(*plan, q, slots, ws);
-  launch(*plan, slots, stream);
+  run_pass<5>(0, "fwd", {&q, &k, &v, &out, &lse}, {&q, &k, &v}, mask, kl,
+              {causal, left, right, scale, deterministic});
   return {out, lse};
 }
 
@@ -357,29 +381,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_cuda(const Tensor &dout_in, const T
   const Tensor dout = dout_in.dim() > 0 && dout_in.stride(-1) != 1 && dout_in.size(-1) > 1
                           ? dout_in.contiguous() : dout_in;
   Tensor dq = empty_like_layout(q), dk = empty_like_layout(k), dv = empty_like_layout(v);
-  void *stream = current_stream(q);
-  // Value slots, in cuda_backend.BackwardPlan order: q, k, v, out, dout, lse, dq, dk, dv, mask, ...
-  uint64_t slots[MAX_SLOTS] = {};
-  const Tensor *ordered[9] = {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv};
-  uint64_t low = 0;
-  for (int i = 0; i < 9; ++i) low |= slots[i] = reinterpret_cast<uint64_t>(ordered[i]->data_ptr());
-  slots[9] = ptr_of(mask);
-  const uint64_t kl_ptr = ptr_of(kl);
-  std::vector<int64_t> key;
-  key.reserve(96);
-  key.push_back(1);  // (the pass)
-  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(stream)));
-  key.push_back(((low | slots[9] | kl_ptr) & 15) == 0);
-  for (const Tensor *t : {&q, &k, &v, &out, &dout, &lse}) add_tensor(key, *t);
-  add_optional(key, mask);
-  add_optional(key, kl);
-  add_options(key, causal, left, right, scale, deterministic);
-  const auto operands = [&] { return std::vector<Tensor>{dout, q, k, v, out, lse, dq, dk, dv}; };
-  auto plan = find_plan(key, "bwd", operands, mask, kl, causal, left, right, scale, deterministic, stream);
-  if (plan->kl_slot >= 0) slots[plan->kl_slot] = kl_ptr;
-  Tensor ws;
-  put_workspace(*plan, q, slots, ws);
-  launch(*plan, slots, stream);
+  run_pass<9>(1, "bwd", {&dout, &q, &k, &v, &out, &lse, &dq, &dk, &dv}, {&q, &k, &v, &out, &dout, &lse}, mask, kl,
+              {causal, left, right, scale, deterministic});
   return {dq, dk, dv};
 }
 
