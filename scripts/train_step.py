@@ -43,6 +43,16 @@ Method
   (<= 1: no slower than torch's flash backend).
 * An implementation that raises (e.g. cuDNN without support for a shape) is
   reported as n/a with the reason.
+* ``--profile`` (after the timing): per implementation, ``--profile-steps``
+  more steps each with its host time split into the forward pass (with the
+  loss), ``backward()`` and the optimizer (``time.perf_counter`` around each
+  phase, nothing synchronised in between: on CUDA this is the time the host
+  spends issuing work), medians reported; then as many steps under
+  ``torch.profiler`` (CUDA activity), reporting the device time a step of
+  every kernel, memset and copy ("GPU busy") and of the attention kernels
+  (names matching :data:`ATTENTION_KERNELS`).  A step whose ms/step is well
+  above its GPU busy time is bound by the host; a step where they are close,
+  by the GPU.  On the CPU the GPU columns are n/a.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import copy
 import functools
 import json
 import math
+import re
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -63,6 +74,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Kernel names counted as attention by ``--profile``: ours (flash_fwd_kernel, flash_bwd_*,
+#: flash_convert_mask), FlashAttention-2's in torch (pytorch_flash::..., flash_bwd_dot_do_o_kernel,
+#: flash_bwd_convert_dq_kernel), cuDNN's (cudnn_generated_..._sdpa_..., compute_dot_do_o_...,
+#: convert_dq_to_16bits) and the memory-efficient backend's (fmha_cutlass...).
+ATTENTION_KERNELS = re.compile(r"flash|fmha|sdpa|attention|dot_do_o|convert_dq", re.IGNORECASE)
 
 
 class Block(nn.Module):
@@ -155,6 +172,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per implementation and round")
     p.add_argument("--rounds", type=int, default=4, help="rounds of every implementation in turn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="after the timing, split each implementation's host time into phases and profile "
+                        "its kernels' device time (see the method above)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps of each --profile measurement")
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     a = p.parse_args()
     cuda = a.device == "cuda"
@@ -167,8 +188,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--device cuda but torch sees no GPU")
     if a.width % a.heads:
         p.error("--width must be a multiple of --heads")
-    if a.steps < 1 or a.warmup < 0 or a.rounds < 1:
-        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if a.steps < 1 or a.warmup < 0 or a.rounds < 1 or a.profile_steps < 1:
+        p.error("--steps, --rounds and --profile-steps must be >= 1 and --warmup >= 0")
     try:
         a.shapes = [tuple(int(n) for n in s.lower().split("x")) for s in a.shapes.split(",")]
         assert all(len(s) == 2 and min(s) >= 1 for s in a.shapes)
@@ -181,27 +202,81 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def make_step(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """A training step of a fresh copy of ``base`` with one implementation's attention."""
+Step = Callable[..., torch.Tensor]
+
+
+def make_step(base: GPT, name: str, idx: torch.Tensor, tgt: torch.Tensor) -> Step:
+    """A training step of a fresh copy of ``base`` with one implementation's attention.
+
+    ``step()`` runs it; ``step(marks)`` also appends ``time.perf_counter()``
+    to the list ``marks`` at its start and after the forward pass, the
+    backward pass and the optimizer.
+    """
     attn, kernel_ctx = IMPLS[name]
     cuda = idx.is_cuda
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     amp = (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    clock = time.perf_counter
 
-    def step() -> torch.Tensor:
+    def step(marks: Optional[List[float]] = None) -> torch.Tensor:
+        if marks is not None:
+            marks.append(clock())
         with amp(), kernel_ctx():
             logits = model(idx, attn)
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), tgt.reshape(-1))
+        if marks is not None:
+            marks.append(clock())
         loss.backward()
+        if marks is not None:
+            marks.append(clock())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if marks is not None:
+            marks.append(clock())
         return loss.detach()
 
     return step
 
 
-def time_steps(step: Callable[[], torch.Tensor], a: argparse.Namespace, cuda: bool) -> List[float]:
+def profile_step(step: Step, a: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
+    """``--profile`` figures of one implementation: median host ms of its phases over
+    ``a.profile_steps`` steps, and (CUDA) the device ms a step of all kernels and of the attention
+    kernels under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(a.warmup):
+        step()
+    sync()
+    phases: Dict[str, List[float]] = {"forward": [], "backward": [], "optimizer": []}
+    for _ in range(a.profile_steps):
+        marks: List[float] = []
+        step(marks)
+        for name, t0, t1 in zip(phases, marks, marks[1:]):
+            phases[name].append((t1 - t0) * 1e3)
+    sync()
+    out: Dict[str, Any] = {f"host_{k}_ms": statistics.median(v) for k, v in phases.items()}
+    out.update(gpu_busy_ms=None, attention_gpu_ms=None)
+    if not cuda:
+        return out
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.profile_steps):
+            step()
+        sync()
+    busy = attention = 0.0
+    for e in prof.key_averages():
+        us = float(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0) or 0)
+        if us <= 0:
+            continue
+        busy += us
+        if ATTENTION_KERNELS.search(e.key):
+            attention += us
+    out.update(gpu_busy_ms=busy / a.profile_steps / 1e3, attention_gpu_ms=attention / a.profile_steps / 1e3)
+    return out
+
+
+def time_steps(step: Step, a: argparse.Namespace, cuda: bool) -> List[float]:
     """``a.warmup`` untimed steps, then the ms of each of ``a.steps`` steps."""
     for _ in range(a.warmup):
         step()
@@ -225,7 +300,7 @@ def time_steps(step: Callable[[], torch.Tensor], a: argparse.Namespace, cuda: bo
 def run_shape(base: GPT, idx: torch.Tensor, tgt: torch.Tensor, a: argparse.Namespace) -> List[Dict[str, Any]]:
     """Every implementation on one shape, timed in ``a.rounds`` interleaved rounds."""
     cuda = idx.is_cuda
-    steps: Dict[str, Callable[[], torch.Tensor]] = {}
+    steps: Dict[str, Step] = {}
     rows: Dict[str, Dict[str, Any]] = {}
     for name in a.impls:
         rows[name] = {"impl": name, "times_ms": []}
@@ -243,6 +318,9 @@ def run_shape(base: GPT, idx: torch.Tensor, tgt: torch.Tensor, a: argparse.Names
     for name in steps:
         t = rows[name]["times_ms"]
         rows[name].update(median_ms=statistics.median(t), mean_ms=statistics.fmean(t))
+    if a.profile:
+        for name, step in steps.items():
+            rows[name]["profile"] = profile_step(step, a, cuda)
     return list(rows.values())
 
 
@@ -290,6 +368,18 @@ def main() -> None:
         print(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} | "
               f"{_fmt(r['ratio_vs_flash'], '.3f')} | {r['first_loss']:.5f} | "
               f"{_fmt(r['loss_diff_vs_flash'], '.2e')} |")
+    if a.profile:
+        print()
+        print("| shape | impl | ms/step median | GPU busy ms/step | attention kernels ms/step "
+              "| host ms: forward | backward | optimizer |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in results:
+            if "profile" not in r:
+                continue
+            pr = r["profile"]
+            print(f"| {r['shape']} | {r['impl']} | {r['median_ms']:.2f} | {_fmt(pr['gpu_busy_ms'], '.2f')} | "
+                  f"{_fmt(pr['attention_gpu_ms'], '.2f')} | {pr['host_forward_ms']:.2f} | "
+                  f"{pr['host_backward_ms']:.2f} | {pr['host_optimizer_ms']:.2f} |")
     if a.json:
         config = {k: v for k, v in vars(a).items() if k != "json"}
         with open(a.json, "w") as f:
