@@ -241,7 +241,8 @@ def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], k
                opts: Tuple[Any, ...], ptrs: Tuple[int, ...], mods: Optional[Dict[str, Any]] = None) -> Tuple[Any, ...]:
     """The plan-cache key of a call on CUDA tensors (``pycudaflash._calls``).
 
-    ``tensors`` are the inputs whose layout the caller chose; the outputs
+    ``tensors`` are the inputs whose layout and device the caller chose (a
+    tensor moved to another device is another signature, validated again); the outputs
     (:func:`empty_like_layout` of them) and the saved ``out`` and ``lse``
     follow from those.  Whether every pointer is 16-byte aligned is part of it,
     and so are the modifiers and their tensors' layouts (:func:`pycudaflash._calls.mods_key`).
@@ -251,11 +252,12 @@ def _signature(kind: str, tensors: Tuple[Tensor, ...], mask: Optional[Tensor], k
         low |= p
     q, k, v = tensors[0], tensors[1], tensors[2]
     key: Tuple[Any, ...] = (
-        "torch", kind, q.get_device(), opts, None if kl is None else _kl_key(kl), low & 15 == 0,
-        q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-        None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+        "torch", kind, opts, None if kl is None else _kl_key(kl), low & 15 == 0,
+        q.get_device(), q.shape, q.stride(), q.dtype, k.get_device(), k.shape, k.stride(), k.dtype,
+        v.get_device(), v.shape, v.stride(), v.dtype,
+        None if mask is None else (mask.get_device(), mask.shape, mask.stride(), mask.dtype))
     for t in tensors[3:]:
-        key += (t.shape, t.stride(), t.dtype)
+        key += (t.get_device(), t.shape, t.stride(), t.dtype)
     if mods is not None:
         key += (_calls.mods_key(**mods),)
     return key
