@@ -48,6 +48,22 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
+// The C++ signatures of the operators pycudaflash/torch.py defines (flash_fwd and _flash_fwd_py
+// share one schema, flash_bwd and _flash_bwd_py another), and the typed handle of one of them.
+using FwdSig = std::tuple<Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &, const OptTensor &,
+                                          const OptTensor &, c10::string_view, int64_t, int64_t, double, bool);
+using BwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+                                                  const Tensor &, const Tensor &, const OptTensor &,
+                                                  const OptTensor &, c10::string_view, int64_t, int64_t, double,
+                                                  bool);
+using PlanSig = Tensor(c10::string_view, at::TensorList, const OptTensor &, const OptTensor &, c10::string_view,
+                       int64_t, int64_t, double, bool, int64_t);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char *name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
 // ------------------------------------------------------------------ the driver
 
 using CUresult = int;
@@ -267,10 +283,7 @@ std::shared_ptr<const Plan> find_plan(const std::vector<int64_t> &key, const cha
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
   }
-  static auto plan_op = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow("pycudaflash::_fast_plan", "")
-                            .typed<Tensor(c10::string_view, at::TensorList, const OptTensor &, const OptTensor &,
-                                          c10::string_view, int64_t, int64_t, double, bool, int64_t)>();
+  static const auto plan_op = op<PlanSig>("pycudaflash::_fast_plan");
   const std::vector<Tensor> tensors = operands();
   const Tensor blob = plan_op.call(kind, tensors, mask, kl, causal, left, right, scale, deterministic,
                                    static_cast<int64_t>(reinterpret_cast<uintptr_t>(stream)));
@@ -347,11 +360,7 @@ std::tuple<Tensor, Tensor> flash_fwd_cuda(const Tensor &q, const Tensor &k, cons
                                           const OptTensor &kl, c10::string_view causal, int64_t left,
                                           int64_t right, double scale, bool deterministic) {
   if (host_key_lengths(kl)) {
-    static auto py = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("pycudaflash::_flash_fwd_py", "")
-                         .typed<std::tuple<Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &,
-                                                           const OptTensor &, const OptTensor &, c10::string_view,
-                                                           int64_t, int64_t, double, bool)>();
+    static const auto py = op<FwdSig>("pycudaflash::_flash_fwd_py");
     return py.call(q, k, v, mask, kl, causal, left, right, scale, deterministic);
   }
   TORCH_CHECK(q.dim() == 4, "q must have 4 dimensions (B, H, Nq, D), got ", q.dim());
@@ -368,12 +377,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_cuda(const Tensor &dout_in, const T
                                                   c10::string_view causal, int64_t left, int64_t right,
                                                   double scale, bool deterministic) {
   if (host_key_lengths(kl)) {
-    static auto py = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("pycudaflash::_flash_bwd_py", "")
-                         .typed<std::tuple<Tensor, Tensor, Tensor>(
-                             const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                             const Tensor &, const OptTensor &, const OptTensor &, c10::string_view, int64_t,
-                             int64_t, double, bool)>();
+    static const auto py = op<BwdSig>("pycudaflash::_flash_bwd_py");
     return py.call(dout_in, q, k, v, out, lse, mask, kl, causal, left, right, scale, deterministic);
   }
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must have 4 dimensions");
@@ -388,30 +392,13 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_cuda(const Tensor &dout_in, const T
 
 // ------------------------------------------------------------------ autograd
 
-const c10::TypedOperatorHandle<std::tuple<Tensor, Tensor, Tensor>(
-    const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-    const OptTensor &, const OptTensor &, c10::string_view, int64_t, int64_t, double, bool)> &
-bwd_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pycudaflash::flash_bwd", "")
-                       .typed<std::tuple<Tensor, Tensor, Tensor>(
-                           const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
-                           const Tensor &, const OptTensor &, const OptTensor &, c10::string_view, int64_t,
-                           int64_t, double, bool)>();
-  return op;
-}
-
 struct Attention : public torch::autograd::Function<Attention> {
   // Forward: the operator below autograd (the CUDA kernel above, or a fake tensor's shapes).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx, const Tensor &q,
                                                 const Tensor &k, const Tensor &v, const OptTensor &mask,
                                                 const OptTensor &kl, c10::string_view causal, int64_t left,
                                                 int64_t right, double scale, bool deterministic) {
-    static auto fwd = c10::Dispatcher::singleton()
-                          .findSchemaOrThrow("pycudaflash::flash_fwd", "")
-                          .typed<std::tuple<Tensor, Tensor>(const Tensor &, const Tensor &, const Tensor &,
-                                                            const OptTensor &, const OptTensor &,
-                                                            c10::string_view, int64_t, int64_t, double, bool)>();
+    static const auto fwd = op<FwdSig>("pycudaflash::flash_fwd");
     at::AutoDispatchBelowADInplaceOrView below;  // (apply turns grad mode off, but dispatch would reach us again)
     auto [out, lse] = fwd.call(q, k, v, mask, kl, causal, left, right, scale, deterministic);
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), kl.value_or(Tensor())});
@@ -431,7 +418,8 @@ struct Attention : public torch::autograd::Function<Attention> {
     const OptTensor mask = saved[5].defined() ? OptTensor(saved[5]) : std::nullopt;
     const OptTensor kl = saved[6].defined() ? OptTensor(saved[6]) : std::nullopt;
     const std::string causal = ctx->saved_data["causal"].toStringRef();
-    auto [dq, dk, dv] = bwd_op().call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], mask, kl,
+    static const auto bwd = op<BwdSig>("pycudaflash::flash_bwd");
+    auto [dq, dk, dv] = bwd.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], mask, kl,
                                       causal, ctx->saved_data["left"].toInt(), ctx->saved_data["right"].toInt(),
                                       ctx->saved_data["scale"].toDouble(),
                                       ctx->saved_data["deterministic"].toBool());
