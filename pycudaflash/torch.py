@@ -154,7 +154,7 @@ def _cpp_loaded() -> bool:
 def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Optional[Tensor],
                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool, mods: Dict[str, Any]) -> Any:
     """A call with modifiers: eagerly through the autograd function (CUDA kernels or NumPy backend)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         raise ValueError("score_mod, mask_mod and mod_tensors do not run under torch.compile yet")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
@@ -270,6 +270,33 @@ def _host_key_lengths(kl: Optional[Tensor]) -> Any:
     return kl.numpy()
 
 
+def _pass_args(opts: Tuple[Any, ...], mask: Optional[Tensor], key_lengths: Any,
+               mods: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The keyword arguments of the plain API (and of its validation) for a call's normalised
+    options ``(causal, left, right, scale)``, mask, key lengths and modifiers."""
+    causal, left, right, scale = opts
+    return dict(causal=causal if causal != "none" else False, window=(left, right), mask=mask,
+                key_lengths=key_lengths, scale=scale, **(mods or {}))
+
+
+def _validated(kind: str, tensors: Tuple[Any, ...], mask: Optional[Tensor], kl: Optional[Tensor],
+               opts: Tuple[Any, ...], deterministic: bool = False, mods: Optional[Dict[str, Any]] = None) -> Any:
+    """The validated Problem of a CUDA call of pass ``kind``: ``tensors`` are the pass's inputs
+    and outputs, for the forward ``(q, k, v, out, lse)``, for the backward ``(dout, q, k, v, out,
+    lse, dq, dk, dv)``; key lengths on the device are checked for shape and device only."""
+    if kind not in ("fwd", "bwd"):
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    kw = _pass_args(opts, mask, _host_key_lengths(kl), mods)
+    if kind == "fwd":
+        q, k, v, out, lse = tensors
+        _check_device_key_lengths(kl, q)
+        return _validate.validate_forward(q, k, v, out=out, lse=lse, **kw)
+    dout, q, k, v, out, lse, dq, dk, dv = tensors
+    _check_device_key_lengths(kl, q)
+    return _validate.validate_backward(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                                       **kw)
+
+
 def _check_device_key_lengths(kl: Optional[Tensor], q: Tensor) -> None:
     if kl is None or not kl.is_cuda:
         return
@@ -290,7 +317,6 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
     included (a forward's lse may be 0: not stored); ``mod_tensors``: the modifiers' tensors."""
     hit = _calls.lookup(key)
     if hit is None:
-        _check_device_key_lengths(kl, q)
         hit = _calls.remember(key, cuda_backend.plan(validate(), kind))
     plan, _, device, _ = hit
     vals = plan.values(ptrs)
@@ -329,24 +355,18 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
     :func:`empty_like_layout`, ``lse`` contiguous (on CUDA, None and not stored unless
     ``need_lse``) and ``key`` the call's plan-cache key (None on the CPU), from which the eager
     backward derives its own.  ``mods``: the modifier arguments of the plain API."""
-    causal, left, right, scale = opts
-    causal_arg = causal if causal != "none" else False
     out = empty_like_layout(q)
     if not q.is_cuda:
         from .api import flash_attn_forward
 
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        flash_attn_forward(q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=kl,
-                           scale=scale, out=out, lse=lse, backend="numpy", **(mods or {}))
+        flash_attn_forward(q, k, v, out=out, lse=lse, backend="numpy", **_pass_args(opts, mask, kl, mods))
         return out, lse, None
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if need_lse else None
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
             0 if mask is None else mask.data_ptr())
     key = _signature("fwd", (q, k, v), mask, kl, opts, ptrs, mods)
-    _launch("fwd", key,
-            lambda: _validate.validate_forward(
-                q, k, v, causal=causal_arg, window=(left, right), mask=mask, key_lengths=_host_key_lengths(kl),
-                scale=scale, out=out, lse=lse, **(mods or {})),
+    _launch("fwd", key, lambda: _validated("fwd", (q, k, v, out, lse), mask, kl, opts, mods=mods),
             ptrs, kl, q, (mods or {}).get("mod_tensors"))
     return out, lse, key
 
@@ -363,16 +383,13 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     adds what autograd leaves open: the strides of ``dout`` (its shape, dtype
     and device are those of ``out``) and the alignment of the new pointers.
     """
-    causal, left, right, scale = opts
-    causal_arg = causal if causal != "none" else False
     dout = _last_dim_contiguous(dout)
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     if not q.is_cuda:
         from .api import flash_attn_backward
 
-        flash_attn_backward(dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
-                            key_lengths=kl, scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                            backend="numpy", **(mods or {}))
+        flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                            backend="numpy", **_pass_args(opts, mask, kl, mods))
         return dq, dk, dv
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if mask is None else mask.data_ptr())
@@ -382,10 +399,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         key = ("torch-bwd-of", fwd_key, dout.stride(), (ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 == 0,
                deterministic)
     _launch("bwd", key,
-            lambda: _validate.validate_backward(
-                dout, q, k, v, out, lse, causal=causal_arg, window=(left, right), mask=mask,
-                key_lengths=_host_key_lengths(kl), scale=scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                **(mods or {})),
+            lambda: _validated("bwd", (dout, q, k, v, out, lse, dq, dk, dv), mask, kl, opts, deterministic, mods),
             ptrs, kl, q, (mods or {}).get("mod_tensors"))
     return dq, dk, dv
 
@@ -460,19 +474,8 @@ def _fast_plan(kind: str, tensors: List[Tensor], mask: Optional[Tensor], key_len
     """The plan of a CUDA call of pass ``kind`` for the C++ host path, validated in full on the
     call's tensors (``tensors``: the pass's inputs, then the outputs the C++ kernel allocated):
     the int64 words of :meth:`pycudaflash.cuda_backend._Plan.export`."""
-    causal_arg = causal if causal != "none" else False
-    common = dict(causal=causal_arg, window=(window_left, window_right), mask=mask, key_lengths=None, scale=scale)
-    if kind == "fwd":
-        q, k, v, out, lse = tensors
-        _check_device_key_lengths(key_lengths, q)
-        prob = _validate.validate_forward(q, k, v, out=out, lse=lse, **common)
-    elif kind == "bwd":
-        dout, q, k, v, out, lse, dq, dk, dv = tensors
-        _check_device_key_lengths(key_lengths, q)
-        prob = _validate.validate_backward(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                                           **common)
-    else:
-        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    prob = _validated(kind, tuple(tensors), mask, key_lengths, (causal, window_left, window_right, scale),
+                      deterministic)
     plan, ctx, _ = cuda_backend.plan(prob, kind)
     return torch.tensor(plan.export(ctx, stream), dtype=torch.int64)
 
