@@ -369,6 +369,22 @@ def test_cpp_host_path_gives_the_python_paths_bits(problem: AttentionProblem) ->
 
 
 @pytest.mark.gpu
+def test_cuda_op_rejects_bad_shapes_with_value_error() -> None:
+    """On CUDA (the C++ host path where it loads) a q, k or v without four dimensions is a
+    ValueError before any launch, also once the call's options are remembered."""
+    _need("cuda")
+    q = torch.randn(1, 2, 8, 64, device="cuda")
+    flash_attention(q, q, q)  # (remembers these options)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        flash_attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="4 dimensions"):
+        torch.ops.pycudaflash.flash_fwd(q[0], q[0], q[0], None, None, "none", -1, -1, 0.125, False)
+    out, lse = torch.ops.pycudaflash.flash_fwd(q, q, q, None, None, "none", -1, -1, 0.125, False)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        torch.ops.pycudaflash.flash_bwd(out, q, q[0], q, out, lse, None, None, "none", -1, -1, 0.125, False)
+
+
+@pytest.mark.gpu
 def test_op_on_a_side_stream_gives_the_default_streams_bits() -> None:
     _need("cuda")
     q, k, v, dout = _gpu_inputs()

@@ -363,7 +363,8 @@ std::tuple<Tensor, Tensor> flash_fwd_cuda(const Tensor &q, const Tensor &k, cons
     static const auto py = op<FwdSig>("pycudaflash::_flash_fwd_py");
     return py.call(q, k, v, mask, kl, causal, left, right, scale, deterministic);
   }
-  TORCH_CHECK(q.dim() == 4, "q must have 4 dimensions (B, H, Nq, D), got ", q.dim());
+  // (the one check before validation: the outputs' shapes read q's four sizes; ValueError in Python)
+  TORCH_CHECK_VALUE(q.dim() == 4, "q must have 4 dimensions (B, H, Nq, D), got ", q.dim());
   Tensor out = empty_like_layout(q);
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   run_pass<5>(0, "fwd", {&q, &k, &v, &out, &lse}, {&q, &k, &v}, mask, kl,
@@ -380,7 +381,8 @@ std::tuple<Tensor, Tensor, Tensor> flash_bwd_cuda(const Tensor &dout_in, const T
     static const auto py = op<BwdSig>("pycudaflash::_flash_bwd_py");
     return py.call(dout_in, q, k, v, out, lse, mask, kl, causal, left, right, scale, deterministic);
   }
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must have 4 dimensions");
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must have 4 dimensions, got ",
+                    q.dim(), ", ", k.dim(), " and ", v.dim());
   // The kernels read rows of D contiguous elements (autograd may hand an expanded gradient).
   const Tensor dout = dout_in.dim() > 0 && dout_in.stride(-1) != 1 && dout_in.size(-1) > 1
                           ? dout_in.contiguous() : dout_in;
