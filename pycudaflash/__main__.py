@@ -397,6 +397,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"numpy              {np.__version__}")
     print(f"backends           {', '.join(available_backends())}")
     print(f"cuda               {'usable' if usable else 'unavailable'}: {reason}")
+    try:
+        import torch
+
+        from . import _fastpath
+
+        print(f"torch              {torch.__version__}; C++ host path of the operators: {_fastpath.status()}")
+    except Exception as exc:
+        print(f"torch              {_na(exc)}")
 
     try:
         import pycuda

@@ -126,6 +126,21 @@ def ensure() -> bool:
         return _state
 
 
+def status() -> str:
+    """One line on the C++ path in this process, without building or loading it."""
+    if not enabled():
+        return f"off (${ENV}=0)"
+    if _state is not None:
+        return reason if _state else f"unavailable: {reason}"
+    try:
+        path = library_path()
+    except Exception as exc:  # (no kernel cache directory without PyCUDA's platformdirs)
+        return f"n/a, no kernel cache directory ({type(exc).__name__}: {exc})"
+    if path.exists():
+        return f"built, not loaded yet: {path}"
+    return f"not built yet (the first CUDA call builds it into {path.parent})"
+
+
 def clear() -> None:
     """Forget the C++ path's plans (:func:`pycudaflash._calls.clear`)."""
     if _lib is not None:

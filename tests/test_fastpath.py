@@ -60,3 +60,16 @@ def test_the_environment_variable_turns_the_path_off(monkeypatch: Any) -> None:
     assert not _fastpath.enabled()
     monkeypatch.setenv(_fastpath.ENV, "1")
     assert _fastpath.enabled()
+
+
+def test_status_says_off_unbuilt_or_built(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(_fastpath, "_state", None)
+    monkeypatch.setenv(_fastpath.ENV, "0")
+    assert _fastpath.status().startswith("off")
+    monkeypatch.setenv(_fastpath.ENV, "1")
+    lib = tmp_path / "torch-ops" / "torch_ops-x.so"
+    monkeypatch.setattr(_fastpath, "library_path", lambda: lib)
+    assert _fastpath.status().startswith("not built yet")
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    assert _fastpath.status() == f"built, not loaded yet: {lib}"
