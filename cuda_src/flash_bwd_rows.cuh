@@ -70,7 +70,7 @@ flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O
                      const __grid_constant__ AttnParams args) {
     preprocess_rows(dO, O, LSE, Dvec, L2vec, dQacc, args.H, Nq, D, args.total_rows, args.do_sb, args.do_sh, args.do_sn,
                     args.o_sb, args.o_sh, args.o_sn,
-                    args.l_sb, args.l_sh, args.l_sn, [](elem_t x) { return to_float(x); });
+                    args.l_sb, args.l_sh, args.l_sn, args.rows_vec, [](elem_t x) { return to_float(x); });
 }
 
 // ------------------------------------------------------- deterministic dQ

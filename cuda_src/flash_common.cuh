@@ -526,15 +526,50 @@ __device__ __forceinline__ T *row_ptr(T *base, const RowCoord &c, i64 sb, i64 sh
 // Di = rowsum(dOi o Oi) (float32) and Li * log2(e) of this warp's rows into
 // contiguous (B, H, Nq) arrays (rows with Li = -inf keep -inf); the warp
 // also zeroes its rows of the dQ accumulator when there is one.  to_f
-// converts an input element to float.
+// converts an input element to float.  With `vec` (rows of dO and O in
+// whole 16-byte chunks, 16-byte aligned) the warp takes its PRE_ROWS rows
+// at once, WARP_SIZE / PRE_ROWS lanes a row, a 16-byte load a chunk; else
+// one row after another, an element a lane.
 template <typename T, typename ToF>
 __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const float *LSE, float *Dvec, float *L2vec,
                                                 float *dQacc, int H, int Nq, int D, i64 total_rows, i64 do_sb,
                                                 i64 do_sh, i64 do_sn, i64 o_sb, i64 o_sh, i64 o_sn, i64 l_sb,
-                                                i64 l_sh, i64 l_sn, ToF to_f) {
+                                                i64 l_sh, i64 l_sn, bool vec, ToF to_f) {
+    static_assert(WARP_SIZE % PRE_ROWS == 0, "a whole number of lanes a row");
     const i64 row0 = warp_first_row();
     const int lane = threadIdx.x % WARP_SIZE;
     if (row0 >= total_rows) return;
+    if (dQacc != nullptr) {
+        // The warp's rows are contiguous: n floats from a 16-byte boundary
+        // (row0 is a multiple of 4, the accumulator 256-byte aligned).
+        float *z = dQacc + row0 * D;
+        const i64 n = min((i64)PRE_ROWS, total_rows - row0) * D, n4 = n / 4;
+        for (i64 c = lane; c < n4; c += WARP_SIZE) reinterpret_cast<float4 *>(z)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (i64 c = 4 * n4 + lane; c < n; c += WARP_SIZE) z[c] = 0.f;
+    }
+    if (vec) {
+        constexpr int LPR = WARP_SIZE / PRE_ROWS, VEC = 16 / (int)sizeof(T);
+        const int r = lane / LPR, sub = lane % LPR;
+        // (rows past the end repeat the last, unstored)
+        const RowCoord c = row_coord(min(row0 + r, total_rows - 1), H, Nq);
+        const T *dorow = row_ptr(dO, c, do_sb, do_sh, do_sn), *orow = row_ptr(O, c, o_sb, o_sh, o_sn);
+        float acc = 0.f;
+        for (int k = sub * VEC; k < D; k += LPR * VEC) {
+            const uint4 a = *reinterpret_cast<const uint4 *>(dorow + k);
+            const uint4 b = *reinterpret_cast<const uint4 *>(orow + k);
+            const T *x = reinterpret_cast<const T *>(&a), *y = reinterpret_cast<const T *>(&b);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc = fmaf(to_f(x[e]), to_f(y[e]), acc);
+        }
+        // Sum over the LPR lanes of the row (aligned groups of lanes).
+#pragma unroll
+        for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (sub == 0 && row0 + r < total_rows) {
+            Dvec[row0 + r] = acc;
+            L2vec[row0 + r] = *row_ptr(LSE, c, l_sb, l_sh, l_sn) * LOG2E;
+        }
+        return;
+    }
     const T *dorow[PRE_ROWS], *orow[PRE_ROWS];
     const float *lrow[PRE_ROWS];
     float acc[PRE_ROWS];
@@ -550,14 +585,6 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
     for (int d = lane; d < D; d += WARP_SIZE)
 #pragma unroll
         for (int r = 0; r < PRE_ROWS; ++r) acc[r] = fmaf(to_f(dorow[r][d]), to_f(orow[r][d]), acc[r]);
-    if (dQacc != nullptr) {
-        // The warp's rows are contiguous: n floats from a 16-byte boundary
-        // (row0 is a multiple of 4, the accumulator 256-byte aligned).
-        float *z = dQacc + row0 * D;
-        const i64 n = min((i64)PRE_ROWS, total_rows - row0) * D, n4 = n / 4;
-        for (i64 c = lane; c < n4; c += WARP_SIZE) reinterpret_cast<float4 *>(z)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (i64 c = 4 * n4 + lane; c < n; c += WARP_SIZE) z[c] = 0.f;
-    }
 #pragma unroll
     for (int r = 0; r < PRE_ROWS; ++r) {
 #pragma unroll

@@ -272,10 +272,18 @@ extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_convert_mask(const elem_t *__restrict__ mask_src, float *__restrict__ mask,
                    const __grid_constant__ AttnParams args) {
     const i64 step = (i64)gridDim.x * blockDim.x;
+    // (32-bit index arithmetic where the mask fits: a 64-bit division is a long emulated sequence)
+    const bool narrow = args.mask_total <= 0xffffffffll;
+    const unsigned n1 = (unsigned)args.mask_n1, n2 = (unsigned)args.mask_n2, n3 = (unsigned)args.mask_n3;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < args.mask_total; idx += step) {
-        const i64 i3 = idx % args.mask_n3, r3 = idx / args.mask_n3;
-        const i64 i2 = r3 % args.mask_n2, r2 = r3 / args.mask_n2;
-        const i64 i1 = r2 % args.mask_n1, i0 = r2 / args.mask_n1;
+        i64 i0, i1, i2, i3;
+        if (narrow) {
+            const unsigned u = (unsigned)idx, r3 = u / n3, r2 = r3 / n2;
+            i3 = u - r3 * n3, i2 = r3 - r2 * n2, i1 = r2 % n1, i0 = r2 / n1;
+        } else {
+            const i64 r3 = idx / args.mask_n3, r2 = r3 / args.mask_n2;
+            i3 = idx - r3 * args.mask_n3, i2 = r3 - r2 * args.mask_n2, i1 = r2 % args.mask_n1, i0 = r2 / args.mask_n1;
+        }
         mask[idx] = to_float(mask_src[i0 * args.src_sb + i1 * args.src_sh + i2 * args.src_sq + i3 * args.src_sk]);
     }
 }

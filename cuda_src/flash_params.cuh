@@ -50,6 +50,7 @@ struct AttnParams {
     i64 dv_sb, dv_sh, dv_sn;
     float scale;
     i64 total_rows;
+    int rows_vec;                // the row kernels may load rows of dO and O in 16-byte chunks
     int Hkv;                     // K/V heads
     i64 kv_total;                // elements of dk (B * Hkv * Nk * D)
 

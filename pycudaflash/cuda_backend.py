@@ -744,6 +744,7 @@ class BackwardPlan(_Plan):
             **dict(zip(("m_sb", "m_sh", "m_sq", "m_sk"), mask_strides)), **mask_fields, **self._mod_fields(prob, ws),
             scale_log2=prob.scale * LOG2E, scale=prob.scale, band_lo=lo, band_hi=hi,
             vec=_vec_ok([st[n] for n in names], D, itemsize, aligned),
+            rows_vec=_vec_ok([st["dout"], st["out"]], D, itemsize, aligned),
             H=H, kv_group=group, Hkv=Hkv, total_rows=rows, kv_total=B * Hkv * Nk * D))
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
         kernels = []

@@ -194,6 +194,8 @@ std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
 
 // Launch every kernel of `plan` on `stream` with value slots `vals` (pointer slots 0..n_vals-1).
 void launch(const Plan &plan, uint64_t (&slots)[MAX_SLOTS], void *stream) {
+  TORCH_CHECK(drv.launch != nullptr && drv.ctx_get != nullptr,
+              "pycudaflash's C++ host path was loaded without the driver's entry points (pycudaflash_fast_init)");
   for (const auto &d : plan.derived) slots[d[0]] = slots[d[1]] + static_cast<uint64_t>(d[2]);
   ContextScope scope(plan.ctx);
   for (const Kernel &k : plan.kernels) {
