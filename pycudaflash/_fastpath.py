@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,28 @@ def loaded() -> bool:
     return bool(_state)
 
 
+#: A function that only the C++ runtime library defines (``std::locale::classic()``).
+_RUNTIME_PROBE = "_ZNSt6locale7classicEv"
+
+
+def cxx_runtime() -> Optional[str]:
+    """The file of the C++ runtime (libstdc++) this process has loaded, where it can be told.
+
+    The library links against that very file: a compiler whose shared runtime is not
+    installed for linking would otherwise copy its static one into the library, and two
+    runtimes in one process disagree (their locales and exceptions are not each other's).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def compile_command(source: Path, output: Path) -> List[str]:
     """The compiler command that builds the library from ``source`` into ``output``."""
     from torch.utils import cpp_extension
@@ -66,7 +89,19 @@ def compile_command(source: Path, output: Path) -> List[str]:
     cmd += [str(source), "-o", str(output)]
     for p in cpp_extension.library_paths():
         cmd += [f"-L{p}", f"-Wl,-rpath,{p}"]
-    return cmd + ["-lc10", "-ltorch_cpu", "-ltorch"]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    runtime = cxx_runtime()  # (before the compiler's own -lstdc++, which then adds nothing)
+    return cmd + ([runtime] if runtime else [])
+
+
+def own_runtime(path: Path) -> bool:
+    """Whether the built library at ``path`` defines C++ runtime functions itself (a static
+    libstdc++ copied in) instead of taking them from the shared one; False where ``nm`` is absent."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return False
+    res = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True)
+    return res.returncode == 0 and any(line.split()[-1:] == [_RUNTIME_PROBE] for line in res.stdout.splitlines())
 
 
 def library_path() -> Path:
@@ -74,8 +109,8 @@ def library_path() -> Path:
     from .compiler import cache_dir
 
     text = SOURCE.read_bytes()
-    tag = hashlib.sha256(text + "\0".join(
-        [torch.__version__, sys.platform, os.environ.get("CXX", "c++")]).encode()).hexdigest()[:20]
+    command = compile_command(SOURCE, Path("torch_ops.so"))
+    tag = hashlib.sha256(text + "\0".join([torch.__version__, sys.platform, *command]).encode()).hexdigest()[:20]
     return Path(cache_dir()) / "torch-ops" / f"torch_ops-{tag}.so"
 
 
@@ -88,6 +123,10 @@ def build(path: Path) -> None:
         res = subprocess.run(compile_command(SOURCE, Path(tmp)), capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed ({res.returncode}):\n{res.stderr[-4000:]}")
+        if own_runtime(Path(tmp)):
+            raise RuntimeError(f"building {SOURCE.name}: the library carries its own copy of the C++ runtime "
+                               f"(the compiler linked a static libstdc++; two runtimes in one process disagree); "
+                               f"set $CXX to a compiler whose shared libstdc++ is installed")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,27 @@ def test_library_builds_loads_and_registers_the_cuda_kernels(tmp_path: Path) -> 
     (dq,) = torch.autograd.grad(out.sum(), (q,))
     (rq,) = torch.autograd.grad(ref.sum(), (q,))
     assert torch.allclose(dq, rq, atol=1e-5, rtol=1e-5)
+
+
+def test_library_takes_the_processs_cxx_runtime(tmp_path: Path) -> None:
+    """The library links against the libstdc++ torch loaded, never a static copy of its own
+    (two C++ runtimes in one process crash on the first formatted error message)."""
+    cxx = _compiler()
+    if shutil.which("nm") is None:
+        pytest.skip("no nm to read the library's symbols")
+    runtime = _fastpath.cxx_runtime()
+    assert runtime is not None and Path(runtime).exists(), "torch's libstdc++ is not in /proc/self/maps"
+    assert runtime in _fastpath.compile_command(_fastpath.SOURCE, tmp_path / "x.so")
+    path = tmp_path / "torch_ops.so"
+    _fastpath.build(path)
+    assert not _fastpath.own_runtime(path)
+    # The check itself tells a library with a static runtime from one without.
+    src = tmp_path / "probe.cpp"
+    src.write_text('#include <locale>\nextern "C" const void *probe() { return &std::locale::classic(); }\n')
+    for flags, carries in (([], False), (["-static-libstdc++"], True)):
+        lib = tmp_path / f"probe{len(flags)}.so"
+        subprocess.run([cxx, "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
+        assert _fastpath.own_runtime(lib) is carries, flags
 
 
 def test_a_failed_build_reports_the_compiler_error(tmp_path: Path, monkeypatch: Any) -> None:
