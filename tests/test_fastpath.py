@@ -58,10 +58,10 @@ def test_library_takes_the_processs_cxx_runtime(tmp_path: Path) -> None:
     path = tmp_path / "torch_ops.so"
     _fastpath.build(path)
     assert not _fastpath.own_runtime(path)
-    # The check itself tells a library with a static runtime from one without.
+    # The check itself tells a library linked as compile_command links from one with a static runtime.
     src = tmp_path / "probe.cpp"
     src.write_text('#include <locale>\nextern "C" const void *probe() { return &std::locale::classic(); }\n')
-    for flags, carries in (([], False), (["-static-libstdc++"], True)):
+    for flags, carries in (([runtime], False), (["-static-libstdc++"], True)):
         lib = tmp_path / f"probe{len(flags)}.so"
         subprocess.run([cxx, "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
         assert _fastpath.own_runtime(lib) is carries, flags
