@@ -554,12 +554,18 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
         const RowCoord c = row_coord(min(row0 + r, total_rows - 1), H, Nq);
         const T *dorow = row_ptr(dO, c, do_sb, do_sh, do_sn), *orow = row_ptr(O, c, o_sb, o_sh, o_sn);
         float acc = 0.f;
-        for (int k = sub * VEC; k < D; k += LPR * VEC) {
-            const uint4 a = *reinterpret_cast<const uint4 *>(dorow + k);
-            const uint4 b = *reinterpret_cast<const uint4 *>(orow + k);
-            const T *x = reinterpret_cast<const T *>(&a), *y = reinterpret_cast<const T *>(&b);
+        // (unrolled over the bucket's head dim, so that a lane's loads are issued together)
+        constexpr int STEPS = (HEAD_DIM + LPR * VEC - 1) / (LPR * VEC);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc = fmaf(to_f(x[e]), to_f(y[e]), acc);
+        for (int s = 0; s < STEPS; ++s) {
+            const int k = (s * LPR + sub) * VEC;
+            if (k < D) {
+                const uint4 a = *reinterpret_cast<const uint4 *>(dorow + k);
+                const uint4 b = *reinterpret_cast<const uint4 *>(orow + k);
+                const T *x = reinterpret_cast<const T *>(&a), *y = reinterpret_cast<const T *>(&b);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc = fmaf(to_f(x[e]), to_f(y[e]), acc);
+            }
         }
         // Sum over the LPR lanes of the row (aligned groups of lanes).
 #pragma unroll
@@ -570,29 +576,34 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
         }
         return;
     }
-    const T *dorow[PRE_ROWS], *orow[PRE_ROWS];
-    const float *lrow[PRE_ROWS];
-    float acc[PRE_ROWS];
+    // (four rows at a time: the pointers of all PRE_ROWS would not fit the registers)
+    constexpr int G = 4;
+    static_assert(PRE_ROWS % G == 0, "whole groups of rows");
+    for (int g0 = 0; g0 < PRE_ROWS && row0 + g0 < total_rows; g0 += G) {
+        const T *dorow[G], *orow[G];
+        const float *lrow[G];
+        float acc[G];
 #pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r) {
-        // (rows past the end repeat the last, unstored)
-        const RowCoord c = row_coord(min(row0 + r, total_rows - 1), H, Nq);
-        dorow[r] = row_ptr(dO, c, do_sb, do_sh, do_sn);
-        orow[r] = row_ptr(O, c, o_sb, o_sh, o_sn);
-        lrow[r] = row_ptr(LSE, c, l_sb, l_sh, l_sn);
-        acc[r] = 0.f;
-    }
-    for (int d = lane; d < D; d += WARP_SIZE)
+        for (int r = 0; r < G; ++r) {
+            // (rows past the end repeat the last, unstored)
+            const RowCoord c = row_coord(min(row0 + g0 + r, total_rows - 1), H, Nq);
+            dorow[r] = row_ptr(dO, c, do_sb, do_sh, do_sn);
+            orow[r] = row_ptr(O, c, o_sb, o_sh, o_sn);
+            lrow[r] = row_ptr(LSE, c, l_sb, l_sh, l_sn);
+            acc[r] = 0.f;
+        }
+        for (int d = lane; d < D; d += WARP_SIZE)
 #pragma unroll
-        for (int r = 0; r < PRE_ROWS; ++r) acc[r] = fmaf(to_f(dorow[r][d]), to_f(orow[r][d]), acc[r]);
+            for (int r = 0; r < G; ++r) acc[r] = fmaf(to_f(dorow[r][d]), to_f(orow[r][d]), acc[r]);
 #pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r) {
+        for (int r = 0; r < G; ++r) {
 #pragma unroll
-        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-        const i64 row = row0 + r;
-        if (lane == 0 && row < total_rows) {
-            Dvec[row] = acc[r];
-            L2vec[row] = *lrow[r] * LOG2E;
+            for (int off = WARP_SIZE / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+            const i64 row = row0 + g0 + r;
+            if (lane == 0 && row < total_rows) {
+                Dvec[row] = acc[r];
+                L2vec[row] = *lrow[r] * LOG2E;
+            }
         }
     }
 }
@@ -607,10 +618,6 @@ __device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H
     const int lane = threadIdx.x % WARP_SIZE;
     if (row0 >= total_rows) return;
     const int rows = (int)min((i64)PRE_ROWS, total_rows - row0);
-    T *dst[PRE_ROWS];
-#pragma unroll
-    for (int r = 0; r < PRE_ROWS; ++r)
-        dst[r] = row_ptr(dQ, row_coord(min(row0 + r, total_rows - 1), H, Nq), dq_sb, dq_sh, dq_sn);
     const float *src = dQacc + row0 * D;
     // Column pairs (d, d+1); with D even a pair is one aligned float2.
     for (int d = 2 * lane; d < D; d += 2 * WARP_SIZE) {
@@ -625,9 +632,11 @@ __device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H
                 x[r].y = (d + 1 < D) ? p[1] : 0.f;
             }
         }
+        // (each row's destination found where it is stored: the pointers of all PRE_ROWS rows
+        // would take as many registers as their values)
 #pragma unroll
         for (int r = 0; r < PRE_ROWS; ++r)
-            if (r < rows) store(dst[r], d, x[r].x, x[r].y);
+            if (r < rows) store(row_ptr(dQ, row_coord(row0 + r, H, Nq), dq_sb, dq_sh, dq_sn), d, x[r].x, x[r].y);
     }
 }
 

@@ -102,7 +102,9 @@ NVCC_OPTIONS = ("-O3", "-std=c++17")
 FWD_WARPS = 4  # float32 forward (a tile size of the 16-bit forward: Tiles.fwd_warps)
 BWD_WARPS = 8  # dK/dV kernel (float32 and mma.sync)
 DQ_WARPS = 4  # deterministic dQ kernel
-PRE_ROWS = 4  # rows per warp of the backward's preprocess and dQ conversion kernels
+# rows per warp of the backward's preprocess and dQ conversion kernels (16: a lane has several
+# loads in flight; 4 ran at about 2 TB/s on the H200)
+PRE_ROWS = 16
 PRE_WARPS = 8  # warps per block of those kernels
 SMEM_PAD = 4  # floats of padding per shared-memory row (float32 kernels)
 SMEM_PAD_H = 8  # 16-bit elements of padding per row (mma.sync kernels)

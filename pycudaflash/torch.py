@@ -508,9 +508,12 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[Tensor, Tens
     ctx.save_for_backward(q, k, v, out, lse, mask, kl)
     ctx.args = (causal, left, right, scale, deterministic)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # (no zero-filled gradient of lse for the backward to ignore)
 
 
-def _backward(ctx: Any, dout: Tensor, _dlse: Any) -> Tuple[Any, ...]:
+def _backward(ctx: Any, dout: Optional[Tensor], _dlse: Any) -> Tuple[Any, ...]:
+    if dout is None:  # (out did not reach the loss)
+        return (None,) * 10
     q, k, v, out, lse, mask, kl = ctx.saved_tensors
     dq, dk, dv = torch.ops.pycudaflash.flash_bwd(dout, q, k, v, out, lse, mask, kl, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None

@@ -412,12 +412,14 @@ struct Attention : public torch::autograd::Function<Attention> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // (no zero-filled gradient of lse for the backward to ignore)
     return {out, lse};
   }
 
   // Backward: dQ, dK, dV by pycudaflash::flash_bwd; nothing for the other arguments.
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
                                                  torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return torch::autograd::variable_list(10);  // (out did not reach the loss)
     const auto saved = ctx->get_saved_variables();
     const OptTensor mask = saved[5].defined() ? OptTensor(saved[5]) : std::nullopt;
     const OptTensor kl = saved[6].defined() ? OptTensor(saved[6]) : std::nullopt;
