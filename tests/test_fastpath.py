@@ -63,7 +63,9 @@ def test_library_takes_the_processs_cxx_runtime(tmp_path: Path) -> None:
     src.write_text('#include <locale>\nextern "C" const void *probe() { return &std::locale::classic(); }\n')
     for flags, carries in (([runtime], False), (["-static-libstdc++"], True)):
         lib = tmp_path / f"probe{len(flags)}.so"
-        subprocess.run([cxx, "-shared", "-fPIC", *flags, str(src), "-o", str(lib)], check=True)
+        # (the runtime after the source, as in compile_command: a linker with --as-needed drops a
+        # shared library that nothing before it needs)
+        subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(lib), *flags], check=True)
         assert _fastpath.own_runtime(lib) is carries, flags
 
 
