@@ -12,22 +12,10 @@ import json
 
 import torch
 
+from mask_speed import elapsed_ms  # (scripts/, beside this one)
 from pycudaflash.torch import flash_attention
 
 B, H, N, D = 4, 16, 4096, 128
-
-
-def _ms(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _time(attn, q, k, v, do) -> dict:
@@ -39,8 +27,8 @@ def _time(attn, q, k, v, do) -> dict:
         q.grad = k.grad = v.grad = None
         attn(q, k, v).backward(do)
 
-    f = _ms(fwd)
-    return {"fwd_ms": round(f, 3), "bwd_ms": round(_ms(fwd_bwd) - f, 3)}
+    f = elapsed_ms(fwd, 2, 10, "cuda")
+    return {"fwd_ms": round(f, 3), "bwd_ms": round(elapsed_ms(fwd_bwd, 2, 10, "cuda") - f, 3)}
 
 
 def main() -> None:
