@@ -1,4 +1,4 @@
-"""Command line: ``python -m pycudaflash {check,info}``.
+"""Command line: ``python -m pycudaflash {check,info,warm}``.
 
 ``check``
     Runs the forward and backward passes on random problems (standard-normal
@@ -8,6 +8,9 @@
 ``info``
     Prints versions, the usable backends and, when PyCUDA imports, the
     device, the CUDA compiler and the kernel cache directory.
+``warm``
+    Compiles every kernel variant into the disk cache and, where torch is
+    installed, the torch operators' C++ host path.
 """
 
 from __future__ import annotations
@@ -433,10 +436,45 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def warm_torch_ops() -> Tuple[bool, str]:
+    """Build the torch operators' C++ host path (:mod:`pycudaflash._fastpath`) where torch is
+    installed and the path is on, unless built already: ``(ok, what happened)``."""
+    try:
+        importlib.import_module("torch")
+    except Exception as exc:
+        return True, f"C++ host path: not built, torch is not importable ({type(exc).__name__}: {exc})"
+    from . import _fastpath
+
+    if not _fastpath.enabled():
+        return True, f"C++ host path: off (${_fastpath.ENV}=0)"
+    path = _fastpath.library_path()
+    if path.exists():
+        return True, f"C++ host path: built already, {path}"
+    t0 = time.perf_counter()
+    try:
+        _fastpath.build(path)
+    except Exception as exc:  # (the first CUDA call would warn with the same message)
+        return False, f"C++ host path: the build failed ({type(exc).__name__}: {exc})"
+    return True, f"C++ host path: built in {time.perf_counter() - t0:.0f} s, {path}"
+
+
 def cmd_warm(args: argparse.Namespace) -> int:
-    """Compile every kernel variant for this GPU (or ``--arch``) into the disk cache, in parallel."""
+    """Compile every kernel variant for this GPU (or ``--arch``) into the disk cache, in parallel,
+    and (beside them) the torch operators' C++ host path."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from . import compiler
 
+    with ThreadPoolExecutor(1) as pool:
+        torch_ops = pool.submit(warm_torch_ops)  # (one compiler process beside the nvcc ones)
+        status = _warm_variants(args, compiler)
+        ok, line = torch_ops.result()
+    print(line)
+    return status if ok else 1
+
+
+def _warm_variants(args: argparse.Namespace, compiler: Any) -> int:
+    """The kernel variants of ``warm``; the exit status."""
     try:
         importlib.import_module("pycuda.compiler")  # (variants compile through PyCUDA's disk cache)
     except Exception as exc:
@@ -496,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.set_defaults(func=cmd_info)
     p_warm = sub.add_parser("warm", help="compile every kernel variant into the disk cache, with progress",
                             description="Compile every kernel variant for this GPU (or --arch) in parallel, "
-                                        "so that no later call waits for nvcc.")
+                                        "and the torch operators' C++ host path where torch is installed, "
+                                        "so that no later call waits for a compiler.")
     p_warm.add_argument("--arch", default=None, help="target, e.g. sm_90 (default: the current GPU's)")
     p_warm.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                         help="parallel nvcc processes (default: CPUs, at most 16)")
