@@ -541,7 +541,7 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
     if (row0 >= total_rows) return;
     if (dQacc != nullptr) {
         // The warp's rows are contiguous: n floats from a 16-byte boundary
-        // (row0 is a multiple of 4, the accumulator 256-byte aligned).
+        // (row0 is a multiple of PRE_ROWS, itself of 4; the accumulator 256-byte aligned).
         float *z = dQacc + row0 * D;
         const i64 n = min((i64)PRE_ROWS, total_rows - row0) * D, n4 = n / 4;
         for (i64 c = lane; c < n4; c += WARP_SIZE) reinterpret_cast<float4 *>(z)[c] = make_float4(0.f, 0.f, 0.f, 0.f);

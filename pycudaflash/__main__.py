@@ -447,14 +447,14 @@ def warm_torch_ops() -> Tuple[bool, str]:
 
     if not _fastpath.enabled():
         return True, f"C++ host path: off (${_fastpath.ENV}=0)"
-    path = _fastpath.library_path()
-    if path.exists():
-        return True, f"C++ host path: built already, {path}"
+    built = _fastpath.library_path().exists()
     t0 = time.perf_counter()
     try:
-        _fastpath.build(path)
+        path = _fastpath.build_if_missing()
     except Exception as exc:  # (the first CUDA call would warn with the same message)
         return False, f"C++ host path: the build failed ({type(exc).__name__}: {exc})"
+    if built:
+        return True, f"C++ host path: built already, {path}"
     return True, f"C++ host path: built in {time.perf_counter() - t0:.0f} s, {path}"
 
 
@@ -463,18 +463,18 @@ def cmd_warm(args: argparse.Namespace) -> int:
     and (beside them) the torch operators' C++ host path."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from . import compiler
-
     with ThreadPoolExecutor(1) as pool:
         torch_ops = pool.submit(warm_torch_ops)  # (one compiler process beside the nvcc ones)
-        status = _warm_variants(args, compiler)
+        status = _warm_variants(args)
         ok, line = torch_ops.result()
     print(line)
     return status if ok else 1
 
 
-def _warm_variants(args: argparse.Namespace, compiler: Any) -> int:
+def _warm_variants(args: argparse.Namespace) -> int:
     """The kernel variants of ``warm``; the exit status."""
+    from . import compiler
+
     try:
         importlib.import_module("pycuda.compiler")  # (variants compile through PyCUDA's disk cache)
     except Exception as exc:

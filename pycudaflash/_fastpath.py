@@ -133,6 +133,14 @@ def build(path: Path) -> None:
             os.unlink(tmp)
 
 
+def build_if_missing() -> Path:
+    """The library's path, built first where it is not there yet."""
+    path = library_path()
+    if not path.exists():
+        build(path)
+    return path
+
+
 def ensure() -> bool:
     """Build (once per source and torch version) and load the library; True where it serves."""
     global _state, _lib, reason
@@ -145,9 +153,7 @@ def ensure() -> bool:
         try:
             from . import _driver
 
-            path = library_path()
-            if not path.exists():
-                build(path)
+            path = build_if_missing()
             torch.ops.load_library(str(path))
             lib = ctypes.CDLL(str(path))
             _driver.driver()

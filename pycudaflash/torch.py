@@ -287,12 +287,11 @@ def _validated(kind: str, tensors: Tuple[Any, ...], mask: Optional[Tensor], kl: 
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
     kw = _pass_args(opts, mask, _host_key_lengths(kl), mods)
+    _check_device_key_lengths(kl, tensors[0 if kind == "fwd" else 1])  # (q)
     if kind == "fwd":
         q, k, v, out, lse = tensors
-        _check_device_key_lengths(kl, q)
         return _validate.validate_forward(q, k, v, out=out, lse=lse, **kw)
     dout, q, k, v, out, lse, dq, dk, dv = tensors
-    _check_device_key_lengths(kl, q)
     return _validate.validate_backward(dout, q, k, v, out, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
                                        **kw)
 

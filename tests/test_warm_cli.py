@@ -52,9 +52,9 @@ def test_warm_reports_the_cpp_path_and_its_status(fake_build: list, monkeypatch:
     """The command's status is that of the variants (1 here: no PyCUDA, or a stubbed failure) and of
     the C++ path; its line is printed either way."""
     for variants_status in (0, 1):
-        monkeypatch.setattr(cli, "_warm_variants", lambda args, compiler, s=variants_status: s)
+        monkeypatch.setattr(cli, "_warm_variants", lambda args, s=variants_status: s)
         assert cli.main(["warm"]) == variants_status
         assert "C++ host path:" in capsys.readouterr().out
-    monkeypatch.setattr(cli, "_warm_variants", lambda args, compiler: 0)
+    monkeypatch.setattr(cli, "_warm_variants", lambda args: 0)
     monkeypatch.setattr(cli, "warm_torch_ops", lambda: (False, "C++ host path: the build failed (x)"))
     assert cli.main(["warm"]) == 1
