@@ -32,10 +32,11 @@ Method
   forward pass, the cross-entropy loss, ``backward()``, ``optimizer.step()``
   and ``zero_grad(set_to_none=True)``.  Timing runs in ``--rounds`` rounds
   of every implementation in turn (the step is host-bound at these sizes,
-  and the host's speed drifts by 10-20 % within a minute on the H200
-  machine): each round ``--warmup`` untimed steps, then ``--steps`` steps
-  each timed with CUDA events (``time.perf_counter`` on the CPU); the median
-  and mean ms per step over all rounds are reported.
+  and the host's speed drifts by 10-20 % within seconds on the H200
+  machine, hence many short rounds): each round ``--warmup`` untimed steps,
+  then ``--steps`` steps each timed with CUDA events (``time.perf_counter``
+  on the CPU); the median and mean ms per step over all rounds are
+  reported.
 * First-step loss: the loss of each implementation's first step, computed on
   its fresh copy before any update, so every implementation sees identical
   weights and data; ``|dloss|`` is its distance from sdpa-flash's.
@@ -168,9 +169,9 @@ def parse_args() -> argparse.Namespace:
                    "8x1024,2x4096,32x256 (CUDA) / 2x64 (CPU)")
     p.add_argument("--impls", default=None, help="comma separated subset of " + ",".join(IMPLS)
                    + "; default sdpa-flash,sdpa-cudnn,pycudaflash (CUDA) / sdpa-flash,sdpa-math,pycudaflash (CPU)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation and round")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per implementation and round")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of every implementation in turn")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation and round")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per implementation and round")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of every implementation in turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="after the timing, split each implementation's host time into phases and profile "
