@@ -48,6 +48,7 @@
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
 LAUNCH_SHAPE(flash_bwd_dkdv_kernel, BWD_THREADS, BWD_BC,
              ((2 * BWD_BC + 2 * BWD_BR) * LD_HEAD + 2 * BWD_BR * LD_S + 2 * BWD_BR) * sizeof(float));
+TILE_MAP(flash_bwd_dkdv_kernel, BWD_BR, BWD_BC);
 FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
     extern __shared__ __align__(16) float smem[];
     float *Kj = smem;                      // [BWD_BC][LD_HEAD]
@@ -61,7 +62,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
+    const KeyTile<float> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, tmap, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -80,7 +81,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         load_block_kv<BWD_BC, BWD_THREADS>(Kj, Vj, K, V, blk, args, Nq, D, tid);
     }
 
-    for (int tr = tr_begin; tr < tr_end; ++tr) {
+    const unsigned char *kinds = map_col(blk.mp, blockIdx.z);  // (the block map's entries of this key tile)
+    for (int tr = tr_begin; tr < tr_end; tr = next_tile(kinds, map_stride(blk.mp), tr + 1, tr_end)) {
         const int i0 = tr * BWD_BR;
         // Load Qi, dOi (async) and the row statistics Li, Di.
         load_tile<BWD_BR, BWD_THREADS>(Qi, blk.Qg, args.q_sn, i0, Nq, D, args.vec, tid);

@@ -67,6 +67,7 @@ constexpr int kBwdKsUnroll = BWD_KS_UNROLL;  // (#pragma unroll takes no macros)
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
 LAUNCH_SHAPE(flash_bwd_dkdv_kernel, BWD_THREADS, BWD_BC,
              ((2 * BWD_BC + 4 * BWD_BR) * LDH + 2 * BWD_BR * LDS) * sizeof(elem_t) + 2 * BWD_BR * sizeof(float));
+TILE_MAP(flash_bwd_dkdv_kernel, BWD_BR, BWD_BC);
 FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(smem_raw);  // [BWD_BC][LDH]
@@ -80,7 +81,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
+    const KeyTile<elem_t> blk = key_tile<BWD_BC, BWD_BR>(Q, dO, mask, tmap, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
     // Warp tiles.
@@ -104,9 +105,10 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         cp_async_commit();
     }
 
-    for (int tr = tr_begin; tr < tr_end; ++tr) {
+    for (int tr = tr_begin, step = 0, tr_next; tr < tr_end; tr = tr_next, ++step) {
         const int i0 = tr * BWD_BR;
-        const int buf = (tr - tr_begin) & 1;
+        tr_next = next_tile(map_col(blk.mp, blockIdx.z), map_stride(blk.mp), tr + 1, tr_end);  // (the next Qi, dOi)
+        const int buf = step & 1;
         const elem_t *Qi = Qbuf + buf * BWD_BR * LDH;
         const elem_t *dOi = dObuf + buf * BWD_BR * LDH;
         // Row statistics of this query tile.
@@ -115,12 +117,11 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         // Qi, dOi (and Kj, Vj), Li and Di are in shared memory for every
         // thread; every warp is done with the previous tile's buffers, Pij, dSij.
         __syncthreads();
-        if (tr + 1 < tr_end) {  // prefetch the next query tile into the other buffer
-            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, args.q_sn, i0 + BWD_BR, Nq, D,
-                                           args.vec, tid);
-            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, blk.dOg, args.do_sn, i0 + BWD_BR, Nq, D,
-                                           args.vec,
-                                             tid);
+        if (tr_next < tr_end) {  // prefetch the next query tile into the other buffer
+            load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, args.q_sn, tr_next * BWD_BR, Nq,
+                                           D, args.vec, tid);
+            load_tile<BWD_BR, BWD_THREADS>(dObuf + (buf ^ 1) * BWD_BR * LDH, blk.dOg, args.do_sn, tr_next * BWD_BR,
+                                           Nq, D, args.vec, tid);
             cp_async_commit();
         }
 

@@ -44,8 +44,8 @@ constexpr int kDqKsUnroll = LEAN_REGISTERS ? 1 : HEAD_DIM / 16;
         const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,          \
         const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,    \
         float *__restrict__ dQacc, elem_t *__restrict__ dK, elem_t *__restrict__ dV,                        \
-        const void *__restrict__ mask, const int *__restrict__ key_lengths, int Nq, int Nk, int D,         \
-        const __grid_constant__ AttnParams args)
+        const void *__restrict__ mask, const unsigned char *__restrict__ tmap,                             \
+        const int *__restrict__ key_lengths, int Nq, int Nk, int D, const __grid_constant__ AttnParams args)
 
 // Kj, Vj of a dK/dV block: keys blk.k0.. of the K/V head its query head
 // reads, the keys no query row may see zero-filled.
@@ -64,7 +64,7 @@ __device__ __forceinline__ void load_block_kv(elem_t *Kj, elem_t *Vj, const elem
 // ------------------------------------------------------------- preprocess
 // Di, Li * log2(e) and the zeroed dQ accumulator (preprocess_rows).
 LAUNCH_SHAPE(flash_bwd_preprocess, PRE_THREADS, PRE_ROWS * PRE_WARPS, 0);
-extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+extern "C" __global__ void __launch_bounds__(PRE_THREADS, PRE_MIN_BLOCKS)
 flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O, const float *__restrict__ LSE,
                      float *__restrict__ Dvec, float *__restrict__ L2vec, float *__restrict__ dQacc, int Nq, int D,
                      const __grid_constant__ AttnParams args) {
@@ -75,11 +75,13 @@ flash_bwd_preprocess(const elem_t *__restrict__ dO, const elem_t *__restrict__ O
 
 // ------------------------------------------------------- deterministic dQ
 LAUNCH_SHAPE(flash_bwd_dq_kernel, DQ_THREADS, DQ_BR, (2 * DQ_BR + 2 * DQ_BC) * LDH * sizeof(elem_t));
+TILE_MAP(flash_bwd_dq_kernel, DQ_BR, DQ_BC);
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, 1)
 flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                     const elem_t *__restrict__ dO, const float *__restrict__ Dvec, const float *__restrict__ L2vec,
-                    elem_t *__restrict__ dQ, const void *__restrict__ mask, const int *__restrict__ key_lengths,
-                    int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
+                    elem_t *__restrict__ dQ, const void *__restrict__ mask, const unsigned char *__restrict__ tmap,
+                    const int *__restrict__ key_lengths, int Nq, int Nk, int D,
+                    const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [DQ_BR][LDH]
     elem_t *dOi = Qi + DQ_BR * LDH;                     // [DQ_BR][LDH]
@@ -92,18 +94,20 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     const int q0 = (gridDim.x - 1 - blockIdx.x) * DQ_BR;
     const int row_w = 16 * warp;
 
-    const MaskParams mp = mask_params(mask, args, key_length(key_lengths, b, Nk), Nq, b, h);
+    const MaskParams mp = mask_params<DQ_BR, DQ_BC>(mask, tmap, args, key_length(key_lengths, b, Nk), Nq, Nk, b, h);
     const char *mask_bh = mask_head_base(mp, b, h);
     const i64 row_base = ((i64)b * H + h) * Nq;
 
     const TileRange kt = key_tiles(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi, DQ_BC);
-    // The keys any row of the tile may see (the rest zero-filled), kept in
-    // shared memory: dQi takes the registers at large head dims.
+    // The keys any row of the tile may see (the rest zero-filled) and the
+    // block map's entries of the tile, kept in shared memory: dQi takes the
+    // registers at large head dims.
     __shared__ KeyRange seen;
-    if (tid == 0) seen = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi);
-    // seen is visible to every thread.
+    __shared__ const unsigned char *kinds;
+    if (tid == 0) seen = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi), kinds = map_row(mp, q0 / DQ_BR);
+    // seen and kinds are visible to every thread.
     __syncthreads();
-    const int tc_begin = kt.begin, tc_end = kt.end;
+    const int tc_begin = next_tile(kinds, 1, kt.begin, kt.end), tc_end = kt.end;
 
     // Row statistics of this thread's rows g and g+8.
     float l2[2], di[2];
@@ -127,7 +131,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
         load_tile<DQ_BR, DQ_THREADS>(dOi, dO + (i64)b * args.do_sb + (i64)h * args.do_sh, args.do_sn, q0, Nq, D,
                                      args.vec, tid);
     }
-    for (int tc = tc_begin; tc < tc_end; ++tc) {
+    for (int tc = tc_begin; tc < tc_end; tc = next_tile(kinds, 1, tc + 1, tc_end)) {
         const int k0 = tc * DQ_BC;
         const int hk = kv_head(h, args.kv_group);  // the K/V head this query head reads
         const KeyRange kr = seen;
@@ -161,7 +165,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
 #endif
 
         // dSij = Pij o (dPij - Di) (through the score modifier), kept in registers (C layout).
-        const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC);
+        const bool need_mask = band_needs_mask(mp, q0, DQ_BR, k0, DQ_BC) || map_kind(kinds, tc) != TILE_FULL;
 #pragma unroll
         for (int n = 0; n < DQ_BC / 8; ++n) {
 #pragma unroll
@@ -213,10 +217,11 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
 // --------------------------------------------------------------- convert dQ
 // dq[b, h, i, d] = dQacc[((b*H + h)*Nq + i)*D + d] (already scaled), as elem_t.
 LAUNCH_SHAPE(flash_bwd_convert_dq, PRE_THREADS, PRE_ROWS * PRE_WARPS, 0);
-extern "C" __global__ void __launch_bounds__(PRE_THREADS)
+extern "C" __global__ void __launch_bounds__(PRE_THREADS, PRE_MIN_BLOCKS)
 flash_bwd_convert_dq(const float *__restrict__ dQacc, elem_t *__restrict__ dQ, int Nq, int D,
                      const __grid_constant__ AttnParams args) {
-    convert_dq_rows(dQacc, dQ, args.H, Nq, D, args.total_rows, args.dq_sb, args.dq_sh, args.dq_sn,
+    convert_dq_rows(dQacc, dQ, args.H, Nq, D, args.total_rows, args.dq_sb, args.dq_sh, args.dq_sn, args.dq_vec,
+                    [](float x) { return from_float(x); },
                     [&](elem_t *row, int d, float x0, float x1) { store_pair(row, d, D, x0, x1, args.vec); });
 }
 

@@ -207,6 +207,7 @@ __device__ __forceinline__ void dq_product(float *dQacc, i64 row_base, int i0, i
 LAUNCH_SHAPE(flash_bwd_dkdv_kernel, B90_THREADS, B90_BC,
              ((2 * B90_BC + 4 * B90_BR) * HDP + (HEAD_DIM <= 128 ? 1 : 2) * B90_BC * B90_BR) * sizeof(elem_t) +
                  4 * B90_BR * sizeof(float) + SMEM_ALIGN);
+TILE_MAP(flash_bwd_dkdv_kernel, B90_BR, B90_BC);
 FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t *Kj = reinterpret_cast<elem_t *>(swizzle_base(smem_raw));  // [HD_ATOMS][Bc][64]
@@ -226,8 +227,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
-    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, dO, mask, key_lengths, Nq, Nk, args);
-    const int tr_begin = blk.qt.begin, n_q = blk.qt.end - blk.qt.begin;
+    const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, dO, mask, tmap, key_lengths, Nq, Nk, args);
+    const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
 
 #if HEAD_DIM <= 128
     const int k_last = min(blk.k0 + B90_BC, blk.mp.kl) - 1;  // (last key of this tile)
@@ -257,9 +258,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 #pragma unroll
     for (int i = 0; i < KV_REGS; ++i) dv[i] = dk[i] = 0.f;
 
-    // Query tile `it` (its Qi, dOi, Li, Di) into stage `st`.
-    auto load_q_tile = [&](int it, int st) {
-        const int i0 = (tr_begin + it) * B90_BR;
+    // Query tile `tr` (its Qi, dOi, Li, Di) into stage `st`.
+    auto load_q_tile = [&](int tr, int st) {
+        const int i0 = tr * B90_BR;
         load_tile<B90_BR, B90_THREADS, SWIZZLED>(Qs + st * B90_BR * HDP, blk.Qg, args.q_sn, i0, Nq, D, args.vec, tid);
         load_tile<B90_BR, B90_THREADS, SWIZZLED>(dOs + st * B90_BR * HDP, blk.dOg, args.do_sn, i0, Nq, D, args.vec,
                                                  tid);
@@ -292,14 +293,20 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     }
 
 #endif
-    if (n_q > 0) {
+    // The block map's entries of this key tile (query tiles kinds_stride
+    // apart), kept in shared memory for the registers' sake (the loop's first
+    // barrier publishes them).
+    __shared__ const unsigned char *kinds;
+    __shared__ int kinds_stride;
+    if (tid == 0) kinds = map_col(blk.mp, blockIdx.z), kinds_stride = map_stride(blk.mp);
+    if (tr_begin < tr_end) {
         load_block_kv<B90_BC, B90_THREADS, SWIZZLED>(Kj, Vj, K, V, blk, args, Nq, D, tid);
-        load_q_tile(0, 0);
+        load_q_tile(tr_begin, 0);
         cp_async_commit();
     }
 
-    for (int it = 0; it < n_q; ++it) {
-        const int i0 = (tr_begin + it) * B90_BR;
+    for (int tr = tr_begin, it = 0, tr_next; tr < tr_end; tr = tr_next, ++it) {
+        const int i0 = tr * B90_BR;
         const int st = it & 1;
         cp_async_wait<0>();  // this thread's part of Qi, dOi, Li, Di (and Kj, Vj) has landed
         fence_proxy_async();
@@ -307,7 +314,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         // every warpgroup is done with the other stage (tile it-1) and with dSij^T
         // (Pij and dSij above head dim 128).
         __syncthreads();
-        if (it + 1 < n_q) load_q_tile(it + 1, st ^ 1);
+        tr_next = next_tile(kinds, kinds_stride, tr + 1, tr_end);  // (the tile to prefetch)
+        if (tr_next < tr_end) load_q_tile(tr_next, st ^ 1);
         cp_async_commit();
 
         const u32 q_addr = q_addr0 + st * QD_STAGE_BYTES, do_addr = do_addr0 + st * QD_STAGE_BYTES;
@@ -333,7 +341,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 #if SCORE_MOD
             float slope[ST_REGS];  // the score modifier's slope at each Sij^T, for dSij^T
 #endif
-            if (tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64)) {
+            if (band_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64) ||
+                map_kind(kinds, (i64)tr * kinds_stride) != TILE_FULL) {
 #pragma unroll
                 for (int n = 0; n < B90_BR / 8; ++n)
 #pragma unroll
@@ -419,7 +428,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 
         // Pij = exp2(Sij * scale * log2(e) + bias - Li).
         const float l2[2] = {Li[row_t], Li[row_t + 8]};
-        const bool need_mask = tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32);
+        const bool need_mask = band_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32) ||
+                               map_kind(kinds, (i64)tr * kinds_stride) != TILE_FULL;
 #if SCORE_MOD
         float slope[16];  // the score modifier's slope at each Sij, for dSij
 #endif

@@ -72,6 +72,13 @@ typedef long long i64;
     extern "C" __constant__ int kernel##_tile = (tile);        \
     extern "C" __constant__ int kernel##_smem_bytes = (int)(smem_bytes)
 
+// The tiles of a kernel that reads the block map of a bool mask (rows x
+// keys, see tile_map_at): the launch code builds the map with them
+// (pycudaflash.compiler.map_tile).
+#define TILE_MAP(kernel, rows, keys)                       \
+    extern "C" __constant__ int kernel##_map_rows = (rows); \
+    extern "C" __constant__ int kernel##_map_keys = (keys)
+
 // Threads a block of the grid-stride kernels (mask conversion, group sums).
 #define GRID_STRIDE_THREADS 256
 
@@ -249,6 +256,11 @@ struct MaskParams {
     int band_lo, band_hi;    // row i sees keys i + band_lo <= j <= i + band_hi
     int kl;                  // keys j >= kl are padding (key length)
     int nq;                  // rows i >= nq do not exist
+#if MASK_MODE == 1
+    const unsigned char *tmap;  // the bool mask's block map at (b, h), nullptr: none (see tile_map_at)
+    int tm_nk;                  // key tiles a row of it
+    int tm_br, tm_bc;           // its tile: the kernel's rows x keys
+#endif
 #if MODS
     int b, h;                // batch element and head (of the modifiers)
     float scale;             // softmax scale: the score modifier's score is scale * q.k (+ bias)
@@ -265,12 +277,38 @@ __device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
 #endif
 }
 
+// The block map of a bool mask (tmap, written by flash_tile_map; nullptr:
+// none) for a kernel's tiles of BR_ rows x BC_ keys, at (batch b, head h):
+// one plane of ceil(Nq / BR_) x ceil(Nk / BC_) bytes, row-major, for each
+// (b, h) of the mask (one for a dimension it broadcasts over).
+template <int BR_, int BC_>
+__device__ __forceinline__ const unsigned char *map_plane(const unsigned char *tmap, const AttnParams &args, int Nq,
+                                                          int Nk, int b, int h) {
+    const i64 plane = (i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_);
+    return tmap ? tmap + (args.m_sb ? (i64)b * (args.m_sh ? args.H : 1) * plane : 0) + (args.m_sh ? (i64)h * plane : 0)
+                : nullptr;
+}
+template <int BR_, int BC_>
+__device__ __forceinline__ void tile_map_at(MaskParams &mp, const unsigned char *tmap, const AttnParams &args, int Nq,
+                                            int Nk, int b, int h) {
+#if MASK_MODE == 1
+    mp.tm_br = BR_, mp.tm_bc = BC_;
+    mp.tm_nk = (Nk + BC_ - 1) / BC_;
+    mp.tmap = map_plane<BR_, BC_>(tmap, args, Nq, Nk, b, h);
+#else
+    (void)mp; (void)tmap; (void)args; (void)Nq; (void)Nk; (void)b; (void)h;
+#endif
+}
+
 // The masking rules of a call for one (batch b, head h): band, key length kl
-// (see key_length), dense mask and modifiers.
-__device__ __forceinline__ MaskParams mask_params(const void *mask, const AttnParams &args, int kl, int nq, int b,
-                                                  int h) {
+// (see key_length), dense mask and its block map for the kernel's tiles of
+// BR_ rows x BC_ keys (tile_map_at), modifiers.
+template <int BR_, int BC_>
+__device__ __forceinline__ MaskParams mask_params(const void *mask, const unsigned char *tmap, const AttnParams &args,
+                                                  int kl, int nq, int Nk, int b, int h) {
     MaskParams mp;
     mp.mask = mask;
+    tile_map_at<BR_, BC_>(mp, tmap, args, nq, Nk, b, h);
     mp.m_sb = args.m_sb; mp.m_sh = args.m_sh; mp.m_sq = args.m_sq; mp.m_sk = args.m_sk;
     mp.band_lo = args.band_lo; mp.band_hi = args.band_hi;
     mp.kl = kl;
@@ -322,12 +360,110 @@ __device__ __forceinline__ TileRange query_tiles(int k0, int cols, int nq, int k
     return {begin, (i_end > i_begin) ? (i_end + br - 1) / br : begin};
 }
 
-// Does the band + key length + row range hide any element of the tile
-// [i0, i0 + rows) x [j0, j0 + cols)?  (A dense mask and the modifiers are
-// always applied.)
-__device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
-    return MODS || MASK_MODE != 0 || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
+// ------------------------------------------------------------ block map
+// What the dense mask leaves of a tile of the score matrix.
+#define TILE_EMPTY 0    // no element attended: the tile is skipped
+#define TILE_PARTIAL 1  // some: the mask is read per element
+#define TILE_FULL 2     // all (or no dense mask): no per-element test
+
+// The kind under the dense mask of map entry p[idx]: from the block map
+// of a bool mask (p), PARTIAL for a float mask or a bool mask without a map,
+// FULL without a dense mask.  (The band, key lengths and modifiers are not in
+// the map: band_needs_mask adds them.)
+__device__ __forceinline__ int map_kind(const unsigned char *p, i64 idx) {
+#if MASK_MODE == 1
+    return p ? p[idx] : TILE_PARTIAL;
+#else
+    (void)p; (void)idx;
+    return MASK_MODE == 2 ? TILE_PARTIAL : TILE_FULL;
+#endif
+}
+
+// The first tile t' >= t before end whose map entry p[t' * stride] is not
+// EMPTY (without a map, t itself): the tiles a loop visits.
+__device__ __forceinline__ int next_tile(const unsigned char *p, int stride, int t, int end) {
+#if MASK_MODE == 1
+    if (p)
+        while (t < end && p[(i64)t * stride] == TILE_EMPTY) ++t;
+#else
+    (void)p; (void)stride; (void)end;
+#endif
+    return t;
+}
+
+// The block map's entries of query tile tr (key tiles 1 apart) and of key
+// tile tc (query tiles tm_nk apart); nullptr without a map.
+__device__ __forceinline__ const unsigned char *map_row(const MaskParams &mp, int tr) {
+#if MASK_MODE == 1
+    return mp.tmap ? mp.tmap + (i64)tr * mp.tm_nk : nullptr;
+#else
+    (void)mp; (void)tr;
+    return nullptr;
+#endif
+}
+__device__ __forceinline__ const unsigned char *map_col(const MaskParams &mp, int tc) {
+#if MASK_MODE == 1
+    return mp.tmap ? mp.tmap + tc : nullptr;
+#else
+    (void)mp; (void)tc;
+    return nullptr;
+#endif
+}
+__device__ __forceinline__ int map_stride(const MaskParams &mp) {
+#if MASK_MODE == 1
+    return mp.tm_nk;
+#else
+    (void)mp;
+    return 0;
+#endif
+}
+
+// Does the band, key length, row range or a modifier hide an element of the
+// tile [i0, i0 + rows) x [j0, j0 + cols)?
+__device__ __forceinline__ bool band_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
+    return MODS || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
            j0 + cols - 1 > i0 + mp.band_hi;
+}
+
+// Does anything hide an element of the tile: band_needs_mask, or a dense
+// mask whose block map does not mark the tile of element (i0, j0) FULL (a
+// part of one of the kernel's tiles is given its tile's kind)?
+__device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
+#if MASK_MODE == 1
+    const i64 idx = (i64)(i0 / mp.tm_br) * mp.tm_nk + j0 / mp.tm_bc;
+    return band_needs_mask(mp, i0, rows, j0, cols) || map_kind(mp.tmap, idx) != TILE_FULL;
+#else
+    return band_needs_mask(mp, i0, rows, j0, cols) || map_kind(nullptr, 0) != TILE_FULL;
+#endif
+}
+
+// The block map of a bool mask for tiles of br rows x bc keys (its layout:
+// tile_map_at): one block per tile of the map (grid: its tiles, the mask's
+// heads or 1, its batch or 1), the warps taking the tile's rows in turn and
+// their lanes the keys; a tile past Nq or Nk counts the elements that exist.
+LAUNCH_SHAPE(flash_tile_map, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
+flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict__ tmap, int Nq, int Nk, int br,
+               int bc, const __grid_constant__ AttnParams args) {
+    const int nk = (Nk + bc - 1) / bc;
+    const int r = blockIdx.x / nk, c = blockIdx.x - r * nk;
+    const int i0 = r * br, j0 = c * bc;
+    const int rows = min(br, Nq - i0), cols = min(bc, Nk - j0);
+    const unsigned char *m = mask + (i64)blockIdx.z * args.m_sb + (i64)blockIdx.y * args.m_sh;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    bool any = false, all = true;
+    for (int i = warp; i < rows; i += GRID_STRIDE_THREADS / WARP_SIZE)
+        for (int j = lane; j < cols; j += WARP_SIZE) {
+            const bool keep = m[(i64)(i0 + i) * args.m_sq + (i64)(j0 + j) * args.m_sk] != 0;
+            any |= keep;
+            all &= keep;
+        }
+    // (the block's votes: every thread's any and all are in)
+    any = __syncthreads_or(any);
+    all = __syncthreads_and(all);
+    if (threadIdx.x == 0)
+        tmap[((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] =
+            !any ? TILE_EMPTY : (all ? TILE_FULL : TILE_PARTIAL);
 }
 
 #if SCORE_MOD
@@ -407,7 +543,8 @@ __device__ __forceinline__ const char *mask_head_base(const MaskParams &mp, int 
 // their masking rules (mp; mask_bh, the dense mask at (b, h)), the (b, h)
 // planes of Q and dO, the offset of the block's rows in the (B, H, Nq)
 // workspace arrays (Dvec, L2vec, dQacc) and the query tiles (of ROWS rows)
-// with a row that sees any of its keys.
+// with a row that sees any of its keys, from the first one the block map
+// leaves (next_tile walks on from there).
 template <typename T>
 struct KeyTile {
     int h, b, H, k0;
@@ -419,17 +556,18 @@ struct KeyTile {
 };
 
 template <int KEYS, int ROWS, typename T>
-__device__ __forceinline__ KeyTile<T> key_tile(const T *Q, const T *dO, const void *mask, const int *key_lengths,
-                                               int Nq, int Nk, const AttnParams &args) {
+__device__ __forceinline__ KeyTile<T> key_tile(const T *Q, const T *dO, const void *mask, const unsigned char *tmap,
+                                               const int *key_lengths, int Nq, int Nk, const AttnParams &args) {
     KeyTile<T> blk;
     blk.h = blockIdx.x, blk.b = blockIdx.y, blk.H = gridDim.x;
     blk.k0 = blockIdx.z * KEYS;
-    blk.mp = mask_params(mask, args, key_length(key_lengths, blk.b, Nk), Nq, blk.b, blk.h);
+    blk.mp = mask_params<ROWS, KEYS>(mask, tmap, args, key_length(key_lengths, blk.b, Nk), Nq, Nk, blk.b, blk.h);
     blk.mask_bh = mask_head_base(blk.mp, blk.b, blk.h);
     blk.Qg = Q + (i64)blk.b * args.q_sb + (i64)blk.h * args.q_sh;
     blk.dOg = dO + (i64)blk.b * args.do_sb + (i64)blk.h * args.do_sh;
     blk.row_base = ((i64)blk.b * blk.H + blk.h) * Nq;
     blk.qt = query_tiles(blk.k0, KEYS, Nq, blk.mp.kl, args.band_lo, args.band_hi, ROWS);
+    blk.qt.begin = next_tile(map_col(blk.mp, blockIdx.z), map_stride(blk.mp), blk.qt.begin, blk.qt.end);
     return blk;
 }
 
@@ -495,6 +633,9 @@ __device__ __forceinline__ void store_out_row(T *Og, i64 o_sn, float *LSE, int b
 #error "PRE_WARPS must be defined (pycudaflash.compiler.LAYOUT)"
 #endif
 #define PRE_THREADS (PRE_WARPS * WARP_SIZE)
+// Blocks of those kernels an SM must hold at once (their registers capped to
+// fit): they are memory-bound, and latency is hidden by warps in flight.
+#define PRE_MIN_BLOCKS 3
 
 // First row of this warp's PRE_ROWS.
 __device__ __forceinline__ i64 warp_first_row() {
@@ -553,6 +694,8 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
         // (rows past the end repeat the last, unstored)
         const RowCoord c = row_coord(min(row0 + r, total_rows - 1), H, Nq);
         const T *dorow = row_ptr(dO, c, do_sb, do_sh, do_sn), *orow = row_ptr(O, c, o_sb, o_sh, o_sn);
+        // (Li read with the row's loads, not after the sum: one memory latency a warp, not two)
+        const float li = sub == 0 ? *row_ptr(LSE, c, l_sb, l_sh, l_sn) : 0.f;
         float acc = 0.f;
         // (unrolled over the bucket's head dim, so that a lane's loads are issued together)
         constexpr int STEPS = (HEAD_DIM + LPR * VEC - 1) / (LPR * VEC);
@@ -572,7 +715,7 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
         for (int off = LPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
         if (sub == 0 && row0 + r < total_rows) {
             Dvec[row0 + r] = acc;
-            L2vec[row0 + r] = *row_ptr(LSE, c, l_sb, l_sh, l_sn) * LOG2E;
+            L2vec[row0 + r] = li * LOG2E;
         }
         return;
     }
@@ -581,15 +724,14 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
     static_assert(PRE_ROWS % G == 0, "whole groups of rows");
     for (int g0 = 0; g0 < PRE_ROWS && row0 + g0 < total_rows; g0 += G) {
         const T *dorow[G], *orow[G];
-        const float *lrow[G];
-        float acc[G];
+        float li[G], acc[G];
 #pragma unroll
         for (int r = 0; r < G; ++r) {
             // (rows past the end repeat the last, unstored)
             const RowCoord c = row_coord(min(row0 + g0 + r, total_rows - 1), H, Nq);
             dorow[r] = row_ptr(dO, c, do_sb, do_sh, do_sn);
             orow[r] = row_ptr(O, c, o_sb, o_sh, o_sn);
-            lrow[r] = row_ptr(LSE, c, l_sb, l_sh, l_sn);
+            li[r] = lane == 0 ? *row_ptr(LSE, c, l_sb, l_sh, l_sn) : 0.f;  // (in flight with the rows)
             acc[r] = 0.f;
         }
         for (int d = lane; d < D; d += WARP_SIZE)
@@ -602,42 +744,87 @@ __device__ __forceinline__ void preprocess_rows(const T *dO, const T *O, const f
             const i64 row = row0 + g0 + r;
             if (lane == 0 && row < total_rows) {
                 Dvec[row] = acc[r];
-                L2vec[row] = *lrow[r] * LOG2E;
+                L2vec[row] = li[r] * LOG2E;
             }
         }
     }
 }
 
 // dq rows of this warp from the float32 accumulator (contiguous rows of D,
-// already scaled): store(row, d, x0, x1) writes columns d and d+1 (the
-// latter only where d+1 < D).
-template <typename T, typename Store>
+// already scaled).  With `vec` (rows of dq in whole 16-byte chunks, 16-byte
+// aligned) the warp takes its PRE_ROWS rows at once, WARP_SIZE / PRE_ROWS
+// lanes a row, a chunk of 16 / sizeof(T) elements a store (from_f rounds
+// one element); else store(row, d, x0, x1) writes columns d and d+1 (the
+// latter only where d+1 < D), a column pair a lane.
+template <typename T, typename FromF, typename Store>
 __device__ __forceinline__ void convert_dq_rows(const float *dQacc, T *dQ, int H, int Nq, int D, i64 total_rows,
-                                                i64 dq_sb, i64 dq_sh, i64 dq_sn, Store store) {
+                                                i64 dq_sb, i64 dq_sh, i64 dq_sn, bool vec, FromF from_f,
+                                                Store store) {
     const i64 row0 = warp_first_row();
     const int lane = threadIdx.x % WARP_SIZE;
     if (row0 >= total_rows) return;
     const int rows = (int)min((i64)PRE_ROWS, total_rows - row0);
     const float *src = dQacc + row0 * D;
-    // Column pairs (d, d+1); with D even a pair is one aligned float2.
-    for (int d = 2 * lane; d < D; d += 2 * WARP_SIZE) {
-        float2 x[PRE_ROWS];
+    if (vec) {
+        constexpr int LPR = WARP_SIZE / PRE_ROWS, VEC = 16 / (int)sizeof(T), F4 = VEC / 4;
+        constexpr int STEPS = (HEAD_DIM + LPR * VEC - 1) / (LPR * VEC);
+        constexpr int G = STEPS < 4 ? STEPS : 4;  // chunks a lane has in flight
+        const int r = lane / LPR, sub = lane % LPR;
+        if (r >= rows) return;
+        // (a chunk of the accumulator: 4 * VEC bytes from a multiple of 16, D being one of VEC)
+        const float4 *srow = reinterpret_cast<const float4 *>(src + (i64)r * D);
+        T *drow = row_ptr(dQ, row_coord(row0 + r, H, Nq), dq_sb, dq_sh, dq_sn);
+        for (int s0 = 0; s0 < STEPS; s0 += G) {
+            float4 x[G][F4];
 #pragma unroll
-        for (int r = 0; r < PRE_ROWS; ++r) {
-            const float *p = src + (i64)min(r, rows - 1) * D + d;
-            if ((D & 1) == 0) {
-                x[r] = *reinterpret_cast<const float2 *>(p);
-            } else {
-                x[r].x = p[0];
-                x[r].y = (d + 1 < D) ? p[1] : 0.f;
+            for (int g = 0; g < G; ++g) {
+                const int k = ((s0 + g) * LPR + sub) * VEC;
+                if (s0 + g < STEPS && k < D)
+#pragma unroll
+                    for (int f = 0; f < F4; ++f) x[g][f] = srow[k / 4 + f];
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const int k = ((s0 + g) * LPR + sub) * VEC;
+                if (s0 + g < STEPS && k < D) {
+                    union {
+                        uint4 u;
+                        T e[VEC];
+                    } y;
+#pragma unroll
+                    for (int f = 0; f < F4; ++f) {
+                        y.e[4 * f] = from_f(x[g][f].x);
+                        y.e[4 * f + 1] = from_f(x[g][f].y);
+                        y.e[4 * f + 2] = from_f(x[g][f].z);
+                        y.e[4 * f + 3] = from_f(x[g][f].w);
+                    }
+                    *reinterpret_cast<uint4 *>(drow + k) = y.u;
+                }
             }
         }
-        // (each row's destination found where it is stored: the pointers of all PRE_ROWS rows
-        // would take as many registers as their values)
-#pragma unroll
-        for (int r = 0; r < PRE_ROWS; ++r)
-            if (r < rows) store(row_ptr(dQ, row_coord(row0 + r, H, Nq), dq_sb, dq_sh, dq_sn), d, x[r].x, x[r].y);
+        return;
     }
+    // Column pairs (d, d+1), four rows at a time; with D even a pair is one aligned float2.
+    constexpr int G = 4;
+    static_assert(PRE_ROWS % G == 0, "whole groups of rows");
+    for (int g0 = 0; g0 < rows; g0 += G)
+        for (int d = 2 * lane; d < D; d += 2 * WARP_SIZE) {
+            float2 x[G];
+#pragma unroll
+            for (int r = 0; r < G; ++r) {
+                const float *p = src + (i64)min(g0 + r, rows - 1) * D + d;
+                if ((D & 1) == 0) {
+                    x[r] = *reinterpret_cast<const float2 *>(p);
+                } else {
+                    x[r].x = p[0];
+                    x[r].y = (d + 1 < D) ? p[1] : 0.f;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < G; ++r)
+                if (g0 + r < rows)
+                    store(row_ptr(dQ, row_coord(row0 + g0 + r, H, Nq), dq_sb, dq_sh, dq_sn), d, x[r].x, x[r].y);
+        }
 }
 
 // The K/V head that query head h reads: h / kv_group (= H / Hkv) in the

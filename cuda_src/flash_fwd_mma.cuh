@@ -27,7 +27,9 @@
 // Masks: the causal/window/key-length band is a run-time [lo, hi] diagonal
 // range per row; key tiles outside it are skipped, tiles inside it are not
 // masked element-wise, only boundary tiles are.  MASK_MODE adds a dense bool
-// or float mask.  A row that sees no key ends with li = 0: Oi = 0, Li = -inf.
+// or float mask; a bool mask's block map (tmap) skips the tiles it leaves
+// empty and spares the full ones the per-element test.  A row that sees no
+// key ends with li = 0: Oi = 0, Li = -inf.
 //
 // The products: float32 as split TF32 (flash_common.cuh's warp_mma, Sij over
 // the 8-wide k steps that hold real head-dim columns); 16-bit as
@@ -55,11 +57,13 @@ static_assert(BC % 16 == 0, "key tile is a whole number of 16-wide k steps");
 
 // Shared memory: Qi [BR][LDH], Kj and Vj [BC][LDH].
 LAUNCH_SHAPE(flash_fwd_kernel, FWD_THREADS, BR, (BR + 2 * BC) * LDH * sizeof(elem_t));
+TILE_MAP(flash_fwd_kernel, BR, BC);
 
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MIN_BLOCKS)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
-                 const int *__restrict__ key_lengths, int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
+                 const unsigned char *__restrict__ tmap, const int *__restrict__ key_lengths, int Nq, int Nk, int D,
+                 const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) smem_t smem_raw[];
     elem_t *Qi = reinterpret_cast<elem_t *>(smem_raw);  // [BR][LDH]
     elem_t *Kj = Qi + BR * LDH;                         // [BC][LDH]
@@ -71,7 +75,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // Launch the last query tiles first: under a causal mask they are the longest.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BR;
 
-    const MaskParams mp = mask_params(mask, args, key_length(key_lengths, b, Nk), Nq, b, h);
+    const MaskParams mp = mask_params<BR, BC>(mask, tmap, args, key_length(key_lengths, b, Nk), Nq, Nk, b, h);
     const char *mask_bh = mask_head_base(mp, b, h);
 
     const elem_t *Qg = Q + (i64)b * args.q_sb + (i64)h * args.q_sh;
@@ -79,10 +83,15 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const elem_t *Kg = K + (i64)b * args.k_sb + (i64)hk * args.k_sh;
     const elem_t *Vg = V + (i64)b * args.v_sb + (i64)hk * args.v_sh;
 
-    // Keys any row of this tile may see.
+    // Keys any row of this tile may see; of their tiles, those the block map
+    // leaves (tc_begin: the first).  The map's entries of this query tile are
+    // kept in shared memory: the registers go to the products (the loop's
+    // first barrier publishes them).
     const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi, BC);
     const KeyRange kr = seen_keys(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
-    const int tc_begin = kt.begin, tc_end = kt.end;
+    const int tc_begin = next_tile(map_row(mp, q0 / BR), 1, kt.begin, kt.end), tc_end = kt.end;
+    __shared__ const unsigned char *kinds;
+    if (tid == 0) kinds = map_row(mp, q0 / BR);
 
     float o_acc[FWD_MT][O_TILES][4];
 #pragma unroll
@@ -105,7 +114,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         cp_async_commit();
     }
 
-    for (int tc = tc_begin; tc < tc_end; ++tc) {
+    for (int tc = tc_begin; tc < tc_end; tc = next_tile(kinds, 1, tc + 1, tc_end)) {
         const int k0 = tc * BC;
         cp_async_wait<0>();
         // Qi and Kj have landed for every thread; every warp is also done with
@@ -157,7 +166,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #endif
 
         // Scale to log2 units and apply the masks on boundary tiles.
-        const bool need_mask = tile_needs_mask(mp, q0, BR, k0, BC);
+        const bool need_mask = band_needs_mask(mp, q0, BR, k0, BC) || map_kind(kinds, tc) != TILE_FULL;
 #pragma unroll
         for (int mt = 0; mt < FWD_MT; ++mt)
 #pragma unroll
@@ -203,8 +212,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         cp_async_wait<0>();
         // Vj has landed; every warp is also done reading Kj.
         __syncthreads();
-        if (tc + 1 < tc_end) {
-            load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, k0 + BC, kr.hi, D, args.vec, tid, kr.lo);
+        const int tc_next = next_tile(kinds, 1, tc + 1, tc_end);
+        if (tc_next < tc_end) {
+            load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_next * BC, kr.hi, D, args.vec, tid, kr.lo);
             cp_async_commit();
         }
 

@@ -146,10 +146,30 @@ __device__ __forceinline__ void load_kv(elem_t *stage, const elem_t *src, i64 st
 }
 
 // One job: query tile q0..q0+Br-1 of (batch b, head h) and the key tiles
-// [tc_begin, tc_begin + n_tiles) that any of its rows may see.
+// before tc_end that any of its rows may see and the block map leaves, from
+// tc_begin (job_next_tile walks on).
 struct FwdJob {
-    int b, h, q0, kl, tc_begin, n_tiles;
+    int b, h, q0, kl;
+    int tc_begin, tc_end;  // its key tiles, from the first the block map leaves
+#if MASK_MODE == 1
+    const unsigned char *kinds;  // the block map's entries of its query tile (nullptr: none)
+#endif
 };
+
+// The block map's entries of a job's query tile (nullptr: none).
+__device__ __forceinline__ const unsigned char *job_kinds(const FwdJob &jb) {
+#if MASK_MODE == 1
+    return jb.kinds;
+#else
+    (void)jb;
+    return nullptr;
+#endif
+}
+
+// The job's first key tile after tile t that the block map leaves (or tc_end).
+__device__ __forceinline__ int job_next_tile(const FwdJob &jb, int t) {
+    return next_tile(job_kinds(jb), 1, t + 1, jb.tc_end);
+}
 
 // Job `job` of the work list.  The (batch, head) pairs form groups of
 // 2^group_shift consecutive pairs (a power of two that divides B * H); a
@@ -159,7 +179,8 @@ struct FwdJob {
 // shortest jobs (the blocks finish together); group_shift = 0 keeps the
 // tiles of one head side by side (its Kj, Vj shared in L2).
 __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int Nk, const int *key_lengths,
-                                          int band_lo, int band_hi, int group_shift) {
+                                          int band_lo, int band_hi, int group_shift, const unsigned char *tmap,
+                                          const AttnParams &args) {
     FwdJob jb;
 #if FWD_PERSIST
     const int head_in_group = job & ((1 << group_shift) - 1);
@@ -179,8 +200,14 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
 #endif
     jb.kl = key_length(key_lengths, jb.b, Nk);
     const TileRange kt = key_tiles(jb.q0, BR, Nq, jb.kl, band_lo, band_hi, BC);
-    jb.tc_begin = kt.begin;
-    jb.n_tiles = kt.end - kt.begin;
+#if MASK_MODE == 1
+    jb.kinds = tmap ? map_plane<BR, BC>(tmap, args, Nq, Nk, jb.b, jb.h) + (i64)(jb.q0 / BR) * ((Nk + BC - 1) / BC)
+                    : nullptr;
+#else
+    (void)tmap; (void)args;
+#endif
+    jb.tc_end = kt.end;
+    jb.tc_begin = next_tile(job_kinds(jb), 1, kt.begin, kt.end);
     return jb;
 }
 
@@ -194,12 +221,13 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
 // Shared memory: Qi, then Kj and Vj in two stages each, in whole swizzle
 // blocks of the head dim, and the slack that aligns them to the swizzle period.
 LAUNCH_SHAPE(flash_fwd_kernel, FWD_THREADS, BR, (BR + 4 * BC) * HDP * sizeof(elem_t) + SMEM_ALIGN);
+TILE_MAP(flash_fwd_kernel, BR, BC);
 
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB)
 flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, const elem_t *__restrict__ V,
                  elem_t *__restrict__ O, float *__restrict__ LSE, const void *__restrict__ mask,
-                 const int *__restrict__ key_lengths, int *__restrict__ sched, int Nq, int Nk, int D,
-                 const __grid_constant__ AttnParams args) {
+                 const unsigned char *__restrict__ tmap, const int *__restrict__ key_lengths, int *__restrict__ sched,
+                 int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int next_job[2];  // a block's next job, alternate jobs in alternate slots
     unsigned char *smem = swizzle_base(smem_raw);
@@ -213,7 +241,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int n_qt = (Nq + BR - 1) / BR;
 
     // (kl, b, h: per job)
-    MaskParams mp = mask_params(mask, args, Nk, Nq, 0, 0);
+    // (the block map: per job, FwdJob::kinds)
+    MaskParams mp = mask_params<BR, BC>(mask, nullptr, args, Nk, Nq, Nk, 0, 0);
 
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
@@ -229,8 +258,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         load_kv(Ks + sb * BC * HDP, Kg, args.k_sn, jb.tc_begin * BC, kr, args.vec, D, tid);
         cp_async_commit();
         load_kv(Vs + sb * BC * HDP, Vg, args.v_sn, jb.tc_begin * BC, kr, args.vec, D, tid);
-        if (jb.n_tiles > 1)
-            load_kv(Ks + (sb ^ 1) * BC * HDP, Kg, args.k_sn, (jb.tc_begin + 1) * BC, kr, args.vec, D, tid);
+        const int second = job_next_tile(jb, jb.tc_begin);
+        if (second < jb.tc_end) load_kv(Ks + (sb ^ 1) * BC * HDP, Kg, args.k_sn, second * BC, kr, args.vec, D, tid);
         cp_async_commit();
     };
 
@@ -243,13 +272,14 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     const int round = 0;
 #endif
     {
-        const FwdJob jb = fwd_job(job, n_qt, args.H, Nq, Nk, key_lengths, args.band_lo, args.band_hi, args.group_shift);
+        const FwdJob jb =
+            fwd_job(job, n_qt, args.H, Nq, Nk, key_lengths, args.band_lo, args.band_hi, args.group_shift, tmap, args);
         // The next job's claim: thread 0 sends it in the job's last key step
         // (here for a job of one step or none) and stores the answer into
         // next_job just before the barrier that publishes it, so that the
         // round trip runs under that step's products.
         int claim = 0;
-        if (FWD_PERSIST && tid == 0 && jb.n_tiles <= 1) claim = atomicAdd(sched, 1);
+        if (FWD_PERSIST && tid == 0 && job_next_tile(jb, jb.tc_begin) >= jb.tc_end) claim = atomicAdd(sched, 1);
         mp.kl = jb.kl;
         mask_head(mp, jb.b, jb.h);
         const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
@@ -257,7 +287,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         const int hk = kv_head(jb.h, args.kv_group);  // the K/V head this job reads
         const elem_t *Kg = K + (i64)jb.b * args.k_sb + (i64)hk * args.k_sh;
         const elem_t *Vg = V + (i64)jb.b * args.v_sb + (i64)hk * args.v_sh;
-        const int q0 = jb.q0, tc_begin = jb.tc_begin, n_tiles = jb.n_tiles;
+        const int q0 = jb.q0, tc_begin = jb.tc_begin, tc_end = jb.tc_end;
         const KeyRange kr = seen_keys(q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
 
         float o_acc[O_REGS];
@@ -271,7 +301,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // Oi.  Loads run one step ahead: during step j, K(j+1) and Vj.
         float s[S_REGS];
         u32 p[BC / 16][4];
-        if (n_tiles > 0) {
+        if (tc_begin < tc_end) {
             if (!loaded) load_first(Qg, Kg, Vg, jb, sb);
             cp_async_wait<1>();  // this thread's Qi and K0 have landed
             fence_proxy_async();
@@ -283,12 +313,15 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             wgmma_wait<0>();
             wgmma_hold(s);
             float alpha[2];  // (Oi is still 0: nothing to rescale)
-            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, tc_begin * BC, BC), args.scale_log2, mp,
-                         mask_bh, q0 + row_w + g, tc_begin * BC + 2 * t);
+            const bool need_mask =
+                band_needs_mask(mp, q0, BR, tc_begin * BC, BC) || map_kind(job_kinds(jb), tc_begin) != TILE_FULL;
+            softmax_step(s, m_i, l_i, alpha, need_mask, args.scale_log2, mp, mask_bh, q0 + row_w + g,
+                         tc_begin * BC + 2 * t);
             pack_frags(p, s);
         }
-        for (int j = 1; j < n_tiles; ++j) {
-            const int k0 = (tc_begin + j) * BC;
+        int j = tc_begin < tc_end ? 1 : 0;  // (steps taken)
+        for (int tc = job_next_tile(jb, tc_begin); tc < tc_end; ++j, tc = job_next_tile(jb, tc)) {
+            const int k0 = tc * BC;
             const int st = (sb + j) & 1;  // stage of Kj (and of Vj, loaded now)
             cp_async_wait<0>();           // this thread's Kj and V(j-1) have landed
             fence_proxy_async();
@@ -296,9 +329,10 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             // warpgroup is done with S(j-1) (K stage of j+1) and with
             // P(j-2) V(j-2) (V stage of j), so the next loads may overwrite them.
             __syncthreads();
-            if (FWD_PERSIST && tid == 0 && j == n_tiles - 1) claim = atomicAdd(sched, 1);
-            if (j + 1 < n_tiles)
-                load_kv(Ks + (st ^ 1) * BC * HDP, Kg, args.k_sn, k0 + BC, kr, args.vec, D, tid);
+            const int tc_next = job_next_tile(jb, tc);
+            if (FWD_PERSIST && tid == 0 && tc_next >= tc_end) claim = atomicAdd(sched, 1);
+            if (tc_next < tc_end)
+                load_kv(Ks + (st ^ 1) * BC * HDP, Kg, args.k_sn, tc_next * BC, kr, args.vec, D, tid);
             load_kv(Vs + st * BC * HDP, Vg, args.v_sn, k0, kr, args.vec, D, tid);
             cp_async_commit();
 
@@ -315,7 +349,9 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #endif
             wgmma_hold(s);
             float alpha[2];
-            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC), args.scale_log2, mp, mask_bh,
+            softmax_step(s, m_i, l_i, alpha,
+                         band_needs_mask(mp, q0, BR, k0, BC) || map_kind(job_kinds(jb), tc) != TILE_FULL,
+                         args.scale_log2, mp, mask_bh,
                          q0 + row_w + g, k0 + 2 * t);
             wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
             wgmma_hold(o_acc);
@@ -326,7 +362,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // The next job (none without FWD_PERSIST: one job per block).
         int next = args.n_jobs;
         if (FWD_PERSIST && tid == 0) next_job[round & 1] = (int)gridDim.x + claim;
-        if (n_tiles > 0) {
+        if (j > 0) {
             cp_async_wait<0>();  // this thread's last V has landed
             fence_proxy_async();
             // Every thread's last V is visible to the tensor cores; every
@@ -334,14 +370,14 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             // (the next job's loads may overwrite them); next_job is written.
             __syncthreads();
             if (FWD_PERSIST) next = next_job[round & 1];
-            const int last = (sb + n_tiles - 1) & 1;  // stage of the last V
+            const int last = (sb + j - 1) & 1;  // stage of the last V
 #if FWD_PERSIST
             sb = last ^ 1;
             loaded = false;
             if (next < args.n_jobs) {
                 const FwdJob nb = fwd_job(next, n_qt, args.H, Nq, Nk, key_lengths, args.band_lo, args.band_hi,
-                                          args.group_shift);
-                loaded = nb.n_tiles > 0;
+                                          args.group_shift, tmap, args);
+                loaded = nb.tc_begin < nb.tc_end;
                 if (loaded) {  // under the last product and the output
                     const int nk = kv_head(nb.h, args.kv_group);
                     load_first(Q + (i64)nb.b * args.q_sb + (i64)nb.h * args.q_sh,

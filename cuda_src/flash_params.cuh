@@ -51,6 +51,7 @@ struct AttnParams {
     float scale;
     i64 total_rows;
     int rows_vec;                // the row kernels may load rows of dO and O in 16-byte chunks
+    int dq_vec;                  // the dQ conversion may store rows of dq in 16-byte chunks
     int Hkv;                     // K/V heads
     i64 kv_total;                // elements of dk (B * Hkv * Nk * D)
 

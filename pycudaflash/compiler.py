@@ -340,6 +340,13 @@ def shape_from_cubin(image: bytes, kernel: str) -> KernelShape:
     return KernelShape(*(cubin_constant(image, f"{kernel}_{what}") for what in ("threads", "tile", "smem_bytes")))
 
 
+def map_tile(pass_: str, defs: Dict[str, int], kernel: str) -> Tuple[int, int]:
+    """The tiles (rows, keys) of ``kernel``'s block map of a bool mask (``TILE_MAP`` in
+    ``flash_common.cuh``), read from its cubin."""
+    image = get_module(pass_, defs).image
+    return cubin_constant(image, f"{kernel}_map_rows"), cubin_constant(image, f"{kernel}_map_keys")
+
+
 def kernel_shape(pass_: str, defs: Dict[str, int], kernel: str) -> KernelShape:
     """The :class:`KernelShape` of ``kernel`` in a variant (its module in the current context)."""
     return shape_from_cubin(get_module(pass_, defs).image, kernel)

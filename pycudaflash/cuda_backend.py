@@ -342,6 +342,7 @@ class _Variant:
         self.mod_names = mod_names
         self._defs_key = tuple(sorted(defs.items()))
         self._shapes: Dict[str, "compiler.KernelShape"] = {}
+        self._map_tiles: Dict[str, Tuple[int, int]] = {}
         self._resident: Dict[str, int] = {}
 
     def shape(self, kernel: str) -> "compiler.KernelShape":
@@ -350,6 +351,13 @@ class _Variant:
         if shape is None:
             shape = self._shapes[kernel] = compiler.kernel_shape(self.pass_, self.defs, kernel)
         return shape
+
+    def map_tile(self, kernel: str) -> Tuple[int, int]:
+        """The tiles (rows, keys) of ``kernel``'s block map of a bool mask."""
+        tile = self._map_tiles.get(kernel)
+        if tile is None:
+            tile = self._map_tiles[kernel] = compiler.map_tile(self.pass_, self.defs, kernel)
+        return tile
 
     def resident_blocks(self, kernel: str) -> int:
         """Blocks of ``kernel`` one SM holds at once."""
@@ -556,17 +564,43 @@ class _Plan:
         self._mod_data = self.struct.mods.data if self.mod_names else None
 
     def _kernel(self, var: "_Variant", name: str, grid: Tuple[int, int, int], **pointers: Any) -> _Kernel:
-        """Kernel ``name`` of the variant launched on ``grid``, its pointer parameters given by name
-        and its sizes (Nq, Nk, D, those it takes) and the struct from the plan."""
+        """Kernel ``name`` of the variant launched on ``grid``, its pointer parameters (and scalars
+        other than the sizes) given by name, its sizes (Nq, Nk, D, those it takes) and the struct
+        from the plan."""
         params = var.params(name)
         args = dict(pointers)
         for size, _ in params.scalars:
+            if size in args:
+                continue
             if size not in self._sizes:
                 raise ValueError(f"{name}: scalar parameter {size!r} is none of {sorted(self._sizes)}")
             args[size] = self._sizes[size]
         shape = var.shape(name)
         return _Kernel(name, var.function(name), grid, shape.threads, shape.smem, params, args, self.pointers,
                        self.struct)
+
+    def _tile_maps(self, prob: Problem, var: "_Variant", ws: "_Workspace", mask_ref: Any,
+                   readers: Sequence[str]) -> Tuple[Dict[str, Any], List[_Kernel]]:
+        """The block map of a bool mask that each kernel of ``readers`` takes (``tmap``: a workspace
+        region, 0 without a bool mask) and the launches of ``flash_tile_map`` that build them, one
+        for each distinct tile shape.  A map has a plane per batch element and head of the mask,
+        one where it broadcasts (its zero strides)."""
+        refs: Dict[str, Any] = {name: 0 for name in readers}
+        if prob.mask is None or prob.mask.dtype.kind != "b":
+            return refs, []
+        sb, sh = prob.mask.strides[:2]
+        planes_b, planes_h = (prob.B if sb else 1), (prob.H if sh else 1)
+        built: Dict[Tuple[int, int], Any] = {}
+        launches = []
+        for name in readers:
+            br, bc = var.map_tile(name)
+            if (br, bc) not in built:
+                tiles = -(-prob.Nq // br) * -(-prob.Nk // bc)
+                built[br, bc] = ref = _Ref(self.WS, ws.region(tiles * planes_h * planes_b))
+                launches.append(self._kernel(var, "flash_tile_map", (tiles, planes_h, planes_b), mask=mask_ref,
+                                             tmap=ref, br=br, bc=bc))
+            refs[name] = built[br, bc]
+        return refs, launches
 
     def _finish(self, kernels: List[_Kernel], ws: "_Workspace", pass_: str) -> None:
         self.kernels = kernels
@@ -672,11 +706,11 @@ class ForwardPlan(_Plan):
                 fields["group_shift"] = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
                 grid = (min(jobs, var.resident_blocks("flash_fwd_kernel") * _sm_count()), 1, 1)
         self._struct(var, "flash_fwd_kernel", fields)
-        kernels = []
+        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, ("flash_fwd_kernel",))
         if conv is not None:
             blocks = _grid_stride_blocks(fields["mask_total"], var.shape("flash_convert_mask").threads)
             kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
-        kernels.append(self._kernel(var, "flash_fwd_kernel", grid, **pointers))
+        kernels.append(self._kernel(var, "flash_fwd_kernel", grid, **pointers, tmap=maps["flash_fwd_kernel"]))
         self._finish(kernels, ws, var.pass_)
 
 
@@ -745,9 +779,11 @@ class BackwardPlan(_Plan):
             scale_log2=prob.scale * LOG2E, scale=prob.scale, band_lo=lo, band_hi=hi,
             vec=_vec_ok([st[n] for n in names], D, itemsize, aligned),
             rows_vec=_vec_ok([st["dout"], st["out"]], D, itemsize, aligned),
+            dq_vec=_vec_ok([st["dq"]], D, itemsize, aligned),
             H=H, kv_group=group, Hkv=Hkv, total_rows=rows, kv_total=B * Hkv * Nk * D))
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
-        kernels = []
+        readers = ("flash_bwd_dkdv_kernel",) + (("flash_bwd_dq_kernel",) if prob.deterministic else ())
+        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, readers)
         if conv is not None:
             blocks = _grid_stride_blocks(mask_fields["mask_total"], var.shape("flash_convert_mask").threads)
             kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
@@ -763,12 +799,12 @@ class BackwardPlan(_Plan):
                              f"got {Nk}")
         inputs = dict(Q=q, K=k, V=v, dO=do, Dvec=d_ref, L2vec=l2_ref, mask=mask_ref, key_lengths=_Ref(self.KL))
         kernels.append(self._kernel(var, "flash_bwd_dkdv_kernel", (H, B, (Nk + keys - 1) // keys), **inputs,
-                                    dQacc=dqacc, dK=dk_ref, dV=dv_ref))
+                                    tmap=maps["flash_bwd_dkdv_kernel"], dQacc=dqacc, dK=dk_ref, dV=dv_ref))
         # 3. dQ: deterministic kernel, or rounding of the accumulator.
         if prob.deterministic:
             br = var.shape("flash_bwd_dq_kernel").tile
             kernels.append(self._kernel(var, "flash_bwd_dq_kernel", ((Nq + br - 1) // br, H, B), **inputs,
-                                        dQ=_Ref(self.DQ)))
+                                        tmap=maps["flash_bwd_dq_kernel"], dQ=_Ref(self.DQ)))
         else:
             kernels.append(self._kernel(var, "flash_bwd_convert_dq", row_blocks, dQacc=dqacc, dQ=_Ref(self.DQ)))
         # 4. Grouped K/V heads: dK, dV of each K/V head, the sum over its group (a fixed order).

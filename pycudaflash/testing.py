@@ -813,6 +813,12 @@ class AttentionProblem:
         One of :data:`MASK_SHAPES`.
     mask_density : float
         Probability that a bool mask entry is True (attend).
+    mask_pattern : str
+        ``'random'``: each bool mask entry drawn alone; ``'blocks'``: the
+        (Nq, Nk) plane cut into rectangles at random rows and keys (off any
+        tile grid), each rectangle all True with probability ``mask_density``
+        and else all False (tiles of the kernels' block maps then come out
+        empty, full and partial).
     mask_inf_fraction : float
         Fraction of ``-inf`` entries in a float mask.
     mask_empty_rows : bool
@@ -843,6 +849,7 @@ class AttentionProblem:
     mask_kind: Optional[str] = None
     mask_shape: Optional[str] = None
     mask_density: float = 0.5
+    mask_pattern: str = "random"
     mask_inf_fraction: float = 0.0
     mask_empty_rows: bool = False
     mask_in_dtype: bool = False
@@ -989,11 +996,13 @@ def attention_problems(
                 for _ in range(B)
             )
         mask_kind = mask_shape = None
-        density, inf_fraction, empty_rows, in_dtype = 0.5, 0.0, False, False
+        density, pattern, inf_fraction, empty_rows, in_dtype = 0.5, "random", 0.0, False, False
         if masks and draw(st.booleans()):
             mask_kind = draw(st.sampled_from(["bool", "float"]))
             mask_shape = draw(st.sampled_from(list(MASK_SHAPES)))
             density = draw(st.sampled_from([0.5, 0.9, 0.1, 1.0]))
+            if mask_kind == "bool":
+                pattern = draw(st.sampled_from(["random", "blocks"]))
             inf_fraction = draw(st.sampled_from([0.1, 0.0, 0.5]))
             # A '111Nk' mask has one row for every query: emptying it masks
             # the whole problem, so do that less often.
@@ -1006,7 +1015,7 @@ def attention_problems(
         return AttentionProblem(
             B=B, H=H, Nq=Nq, Nk=Nk, D=D, dtype=dtype, scale=scale, causal=causal,
             window=window, key_lengths=key_lengths, mask_kind=mask_kind,
-            mask_shape=mask_shape, mask_density=density,
+            mask_shape=mask_shape, mask_density=density, mask_pattern=pattern,
             mask_inf_fraction=inf_fraction, mask_empty_rows=empty_rows,
             mask_in_dtype=in_dtype, layout=layout, seed=seed, Hkv=Hkv,
         )
@@ -1056,7 +1065,16 @@ def _mask(problem: AttentionProblem, rng: np.random.Generator) -> Optional[np.nd
     if shape is None:
         return None
     rows = shape[-2]
-    if problem.mask_kind == "bool":
+    if problem.mask_kind == "bool" and problem.mask_pattern == "blocks":
+        lead = int(np.prod(shape[:-2]))
+        m = np.empty((lead, rows, shape[-1]), bool)
+        for plane in m:
+            cuts_q = np.unique(np.concatenate([[0, rows], rng.integers(0, rows + 1, rng.integers(0, 5))]))
+            cuts_k = np.unique(np.concatenate([[0, shape[-1]], rng.integers(0, shape[-1] + 1, rng.integers(0, 5))]))
+            cells = rng.random((len(cuts_q) - 1, len(cuts_k) - 1)) < problem.mask_density
+            plane[:] = np.repeat(np.repeat(cells, np.diff(cuts_q), axis=0), np.diff(cuts_k), axis=1)
+        m = m.reshape(shape)
+    elif problem.mask_kind == "bool":
         m = rng.random(shape) < problem.mask_density
     else:
         m = rng.standard_normal(shape).astype(np.float32)

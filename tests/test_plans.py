@@ -177,6 +177,9 @@ class _FakeVariant:
     def params(self, kernel: str) -> compiler.KernelParams:
         return compiler.kernel_params(self.pass_, kernel)
 
+    def map_tile(self, kernel: str) -> tuple:
+        return {"flash_bwd_dkdv_kernel": (64, 128), "flash_bwd_dq_kernel": (64, 64)}[kernel]
+
 
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: int) -> None:
@@ -226,3 +229,52 @@ def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: in
     # (one pointer slot each, shared by the two kernels)
     assert sums.addrs[sptr.index("dKh")] == dkdv.addrs[ptr["dK"]]
     assert plan.ws_bytes >= 2 * 2 * B * H * Nk * D
+
+
+@pytest.mark.parametrize("mask_shape, planes", [((2, 1, 33, 70), (2, 1)), ((1, 4, 33, 70), (1, 4)),
+                                                ((33, 70), (1, 1)), ((2, 4, 33, 70), (2, 4))])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_plan_builds_the_block_maps_of_a_bool_mask(monkeypatch: pytest.MonkeyPatch, mask_shape: tuple,
+                                                            planes: tuple, deterministic: bool) -> None:
+    """A bool mask gets one block map a tile shape of the kernels that read it, built first
+    (flash_tile_map: grid (tiles, mask heads or 1, mask batch or 1), its tile sizes passed), each
+    in its own workspace region of one byte a tile and plane, and the reader's tmap points there."""
+    from pycudaflash import cuda_backend
+
+    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, "bool", "float16", "sm_80"),
+                        {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
+                         "flash_bwd_dq_kernel": (128, 64)})
+    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+    B, H, Nq, Nk, D = 2, 4, 33, 70, 64
+    x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, D), np.float16)
+         for n in ("q", "k", "v", "dout", "out")}
+    mask = np.ones(mask_shape, bool)
+    prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32),
+                                       mask=mask, deterministic=deterministic)
+    names = cuda_backend.OPERANDS["bwd"][:-1]
+    shapes = dict(zip((names[i] for i in cuda_backend.BackwardPlan.OUTPUTS), cuda_backend._output_shapes(prob, "bwd")))
+    plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
+    P = cuda_backend.BackwardPlan
+    readers = ["flash_bwd_dkdv_kernel"] + (["flash_bwd_dq_kernel"] if deterministic else [])
+    builders = [k for k in plan.kernels if k.name == "flash_tile_map"]
+    assert plan.kernels[:len(builders)] == builders and len(builders) == len(readers)
+    bparams = compiler.kernel_params("bwd_f16", "flash_tile_map")
+    regions = []
+    for builder, reader in zip(builders, readers):
+        br, bc = fake.map_tile(reader)
+        tiles = -(-Nq // br) * -(-Nk // bc)
+        assert builder.grid == (tiles, planes[1], planes[0])
+        n_ptr = len(bparams.pointers)
+        sizes = dict(zip((n for n, _ in bparams.scalars), builder.slots[n_ptr:n_ptr + len(bparams.scalars)]))
+        assert sizes == {"Nq": Nq, "Nk": Nk, "br": br, "bc": bc}
+        brefs = {bparams.pointers[i]: (src, off) for i, src, off in builder.refs}
+        assert brefs["mask"] == (P.M, 0) and brefs["tmap"][0] == P.WS
+        kernel = next(k for k in plan.kernels if k.name == reader)
+        rptr = compiler.kernel_params("bwd_f16", reader).pointers
+        assert {rptr[i]: (src, off) for i, src, off in kernel.refs}["tmap"] == brefs["tmap"]
+        regions.append((brefs["tmap"][1], tiles * planes[0] * planes[1]))
+    regions.sort()
+    for (a, n), (b, _) in zip(regions, regions[1:]):
+        assert a + n <= b, "block maps overlap"
+    assert regions[-1][0] + regions[-1][1] <= plan.ws_bytes
