@@ -580,15 +580,16 @@ class _Plan:
                        self.struct)
 
     def _tile_maps(self, prob: Problem, var: "_Variant", ws: "_Workspace", mask_ref: Any,
-                   readers: Sequence[str]) -> Tuple[Dict[str, Any], List[_Kernel]]:
+                   mask_strides: Tuple[int, ...], readers: Sequence[str]) -> Tuple[Dict[str, Any], List[_Kernel]]:
         """The block map of a bool mask that each kernel of ``readers`` takes (``tmap``: a workspace
         region, 0 without a bool mask) and the launches of ``flash_tile_map`` that build them, one
         for each distinct tile shape.  A map has a plane per batch element and head of the mask,
-        one where it broadcasts (its zero strides)."""
+        one where the kernels read it broadcast (a zero stride of ``mask_strides``, as they find
+        their plane: ``map_plane`` in flash_common.cuh)."""
         refs: Dict[str, Any] = {name: 0 for name in readers}
         if prob.mask is None or prob.mask.dtype.kind != "b":
             return refs, []
-        sb, sh = prob.mask.strides[:2]
+        sb, sh = mask_strides[:2]
         planes_b, planes_h = (prob.B if sb else 1), (prob.H if sh else 1)
         built: Dict[Tuple[int, int], Any] = {}
         launches = []
@@ -706,7 +707,7 @@ class ForwardPlan(_Plan):
                 fields["group_shift"] = _job_group_shift(prob, var.tiles.fwd90_group, itemsize)
                 grid = (min(jobs, var.resident_blocks("flash_fwd_kernel") * _sm_count()), 1, 1)
         self._struct(var, "flash_fwd_kernel", fields)
-        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, ("flash_fwd_kernel",))
+        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, mask_strides, ("flash_fwd_kernel",))
         if conv is not None:
             blocks = _grid_stride_blocks(fields["mask_total"], var.shape("flash_convert_mask").threads)
             kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
@@ -783,7 +784,7 @@ class BackwardPlan(_Plan):
             H=H, kv_group=group, Hkv=Hkv, total_rows=rows, kv_total=B * Hkv * Nk * D))
         q, k, v, do = _Ref(self.Q), _Ref(self.K), _Ref(self.V), _Ref(self.DO)
         readers = ("flash_bwd_dkdv_kernel",) + (("flash_bwd_dq_kernel",) if prob.deterministic else ())
-        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, readers)
+        maps, kernels = self._tile_maps(prob, var, ws, mask_ref, mask_strides, readers)
         if conv is not None:
             blocks = _grid_stride_blocks(mask_fields["mask_total"], var.shape("flash_convert_mask").threads)
             kernels.append(self._kernel(var, "flash_convert_mask", (blocks, 1, 1), **conv))
