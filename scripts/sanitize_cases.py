@@ -40,7 +40,12 @@ def main(argv=None) -> int:
         "float_mask": {"mask": np.where(rng.random((Nq, Nk)) < 0.2, -np.inf,
                                         rng.standard_normal((Nq, Nk))).astype(np.float32)},
     }
-    cases["bool_mask"]["mask"][:, :, 5, :] = False
+    # Tiles of every kind in the kernels' block maps: full (keys 0..63 of the
+    # first batch element), empty (its keys 64..127; the second one's rows from
+    # 32 on) and partial (the rest), and a row that sees no key.
+    bm = cases["bool_mask"]["mask"]
+    bm[0, :, :, :64], bm[0, :, :, 64:128], bm[1, :, 32:, :] = True, False, False
+    bm[:, :, 5, :] = False
     # Score and mask modifiers (their tensors on the host: copied into the workspace per call).
     doc = np.sort(rng.integers(0, 3, (B, max(Nq, Nk))), axis=1).astype(np.int32)
     cases["alibi_document"] = {"score_mod": "score - slope[h] * abs(i - j)", "mask_mod": "doc[b, i] == doc[b, j]",
