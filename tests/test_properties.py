@@ -50,6 +50,10 @@ from pycudaflash.testing import (
 # quantity, set from measurement: the worst error (the smallest passing rtol
 # reported by scripts/calibrate_bounds.py) was
 #   numpy float32, 1000 examples:       out 4.7e-7, lse 2.3e-7, dq 7.4e-7, dk 6.9e-7, dv 5.4e-7
+#   numpy float32, the largest draws (D 64, 197, 255, 256; (Nq, Nk) (197, 197),
+#     (700, 700), (129, 700), (700, 129); scale +-2 / sqrt(D) and the default;
+#     causal or not; 3 seeds; 192 problems): out 7.1e-7, lse 1.4e-7, dq 6.6e-7,
+#     dk 6.1e-7, dv 7.3e-7
 #   cuda  float32, 4818 examples, H200: out 1.75e-6, lse 1.94e-6, dq 4.14e-6, dk 3.28e-6, dv 1.69e-6
 # and each bound is that worst case with a margin of about 1.5x.  The CUDA
 # kernels run the float32 products as split TF32 on the tensor cores, whose
@@ -57,7 +61,7 @@ from pycudaflash.testing import (
 # D = 64 to 3e-6 at D = 256 for random inputs; the worst lse is a single
 # score q.k at D = 255).
 BOUNDS: Dict[Tuple[str, str], Dict[str, float]] = {
-    ("numpy", "float32"): {"out": 7e-7, "lse": 3.5e-7, "dq": 1.1e-6, "dk": 1.1e-6, "dv": 8e-7},
+    ("numpy", "float32"): {"out": 1.1e-6, "lse": 3.5e-7, "dq": 1.1e-6, "dk": 1.1e-6, "dv": 1.1e-6},
     ("cuda", "float32"): {"out": 2.6e-6, "lse": 2.9e-6, "dq": 6.2e-6, "dk": 4.9e-6, "dv": 2.6e-6},
 }
 
