@@ -18,12 +18,9 @@ from pycudaflash import flash_attn_backward, flash_attn_forward
 from pycudaflash.reference import reference_backward, reference_forward
 from pycudaflash.testing import (check, lowp_reference_backward, lowp_reference_forward, noise_floors,
                                  relative_error, to_host)
-from test_properties import LOWP_FLOOR
+from test_properties import BOUNDS, LOWP_FLOOR
 
-F32_BOUNDS = {
-    "numpy": {"out": 7e-7, "lse": 3.5e-7, "dq": 1.1e-6, "dk": 1.1e-6, "dv": 8e-7},
-    "cuda": {"out": 2.6e-6, "lse": 2.9e-6, "dq": 6.2e-6, "dk": 4.9e-6, "dv": 2.6e-6},
-}
+F32_BOUNDS = {backend: BOUNDS[(backend, "float32")] for backend in ("numpy", "cuda")}
 DTYPES = ("float32", "float16", "bfloat16")
 
 # (score_mod, mask_mod) pairs: each score and mask modifier of the issue, paired so that few
