@@ -62,6 +62,7 @@ __all__ = [
     "PROFILE_ENV",
     "INTERESTING_HEAD_DIMS",
     "INTERESTING_SEQLENS",
+    "MASK_PATTERNS",
     "MASK_SHAPES",
 ]
 
@@ -79,6 +80,9 @@ INTERESTING_SEQLENS: Tuple[int, ...] = (
 #: Broadcast shapes a mask is drawn with, as names resolved by
 #: :meth:`AttentionProblem.mask_array_shape`.
 MASK_SHAPES: Tuple[str, ...] = ("NqNk", "1HNqNk", "B1NqNk", "BHNqNk", "111Nk")
+
+#: How a bool mask's entries are drawn (AttentionProblem.mask_pattern).
+MASK_PATTERNS: Tuple[str, ...] = ("random", "blocks")
 
 
 # --------------------------------------------------------------------------
@@ -814,7 +818,7 @@ class AttentionProblem:
     mask_density : float
         Probability that a bool mask entry is True (attend).
     mask_pattern : str
-        ``'random'``: each bool mask entry drawn alone; ``'blocks'``: the
+        One of :data:`MASK_PATTERNS`. ``'random'``: each bool mask entry drawn alone; ``'blocks'``: the
         (Nq, Nk) plane cut into rectangles at random rows and keys (off any
         tile grid), each rectangle all True with probability ``mask_density``
         and else all False (tiles of the kernels' block maps then come out
@@ -1002,7 +1006,7 @@ def attention_problems(
             mask_shape = draw(st.sampled_from(list(MASK_SHAPES)))
             density = draw(st.sampled_from([0.5, 0.9, 0.1, 1.0]))
             if mask_kind == "bool":
-                pattern = draw(st.sampled_from(["random", "blocks"]))
+                pattern = draw(st.sampled_from(list(MASK_PATTERNS)))
             inf_fraction = draw(st.sampled_from([0.1, 0.0, 0.5]))
             # A '111Nk' mask has one row for every query: emptying it masks
             # the whole problem, so do that less often.
@@ -1064,6 +1068,8 @@ def _mask(problem: AttentionProblem, rng: np.random.Generator) -> Optional[np.nd
     shape = problem.mask_array_shape()
     if shape is None:
         return None
+    if problem.mask_pattern not in MASK_PATTERNS:
+        raise ValueError(f"mask_pattern must be one of {MASK_PATTERNS}, got {problem.mask_pattern!r}")
     rows = shape[-2]
     if problem.mask_kind == "bool" and problem.mask_pattern == "blocks":
         lead = int(np.prod(shape[:-2]))

@@ -231,3 +231,19 @@ def test_noise_floors_follow_each_key_and_query_entry() -> None:
     rtol = 1.1e-6  # the float32 numpy bound of the property suite
     check("dq", dq, ref_dq, rtol_norm=rtol, atol=rtol * floors["dq"]).raise_if_failed()
     check("dk", dk, ref_dk, rtol_norm=rtol, atol=rtol * floors["dk"]).raise_if_failed()
+
+
+def test_block_masks_are_rectangles_and_unknown_patterns_are_refused() -> None:
+    """A 'blocks' bool mask cuts each (Nq, Nk) plane at no more than 4 rows and 4 keys: at most 5
+    distinct rows and 5 distinct columns a plane; a pattern outside MASK_PATTERNS raises."""
+    from pycudaflash.testing import AttentionProblem, make_inputs
+
+    for seed in range(20):
+        p = AttentionProblem(B=2, H=3, Nq=97, Nk=113, D=8, mask_kind="bool", mask_shape="BHNqNk",
+                             mask_pattern="blocks", seed=seed)
+        m = np.asarray(make_inputs(p)["mask"]).reshape(-1, 97, 113)
+        for plane in m:
+            assert np.unique(plane, axis=0).shape[0] <= 5 and np.unique(plane, axis=1).shape[1] <= 5
+    bad = AttentionProblem(B=1, H=1, Nq=5, Nk=5, D=8, mask_kind="bool", mask_shape="NqNk", mask_pattern="block")
+    with pytest.raises(ValueError, match="mask_pattern"):
+        make_inputs(bad)
