@@ -108,7 +108,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
         // Pij = exp2(Sij*scale*log2e + bias - Li), dSij = Pij o (dPij - Di) (through the
         // score modifier), into shared memory.
-        const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC);
+        const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC, map_kind(kinds, (i64)tr * map_stride(blk.mp)));
 #pragma unroll
         for (int n = 0; n < NT_S; ++n) {
 #pragma unroll

@@ -104,10 +104,15 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         load_tile<BWD_BR, BWD_THREADS>(dObuf, blk.dOg, args.do_sn, tr_begin * BWD_BR, Nq, D, args.vec, tid);
         cp_async_commit();
     }
+    // The block map's entries of this key tile (query tiles kinds_stride
+    // apart), kept in shared memory for the registers' sake (the loop's first
+    // barrier publishes them).
+    __shared__ const unsigned char *kinds;
+    __shared__ int kinds_stride;
+    if (tid == 0) kinds = map_col(blk.mp, blockIdx.z), kinds_stride = map_stride(blk.mp);
 
     for (int tr = tr_begin, step = 0, tr_next; tr < tr_end; tr = tr_next, ++step) {
         const int i0 = tr * BWD_BR;
-        tr_next = next_tile(map_col(blk.mp, blockIdx.z), map_stride(blk.mp), tr + 1, tr_end);  // (the next Qi, dOi)
         const int buf = step & 1;
         const elem_t *Qi = Qbuf + buf * BWD_BR * LDH;
         const elem_t *dOi = dObuf + buf * BWD_BR * LDH;
@@ -117,6 +122,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
         // Qi, dOi (and Kj, Vj), Li and Di are in shared memory for every
         // thread; every warp is done with the previous tile's buffers, Pij, dSij.
         __syncthreads();
+        tr_next = next_tile(kinds, kinds_stride, tr + 1, tr_end);  // (the next Qi, dOi)
         if (tr_next < tr_end) {  // prefetch the next query tile into the other buffer
             load_tile<BWD_BR, BWD_THREADS>(Qbuf + (buf ^ 1) * BWD_BR * LDH, blk.Qg, args.q_sn, tr_next * BWD_BR, Nq,
                                            D, args.vec, tid);
@@ -127,7 +133,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 
         // Sij = Qi Kj^T and dPij = dOi Vj^T on this warp's 16 x (8*NT_S) tile,
         // S_CHUNK 8-wide column tiles at a time (bounds the live registers).
-        const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC);
+        const bool need_mask = tile_needs_mask(blk.mp, i0, BWD_BR, blk.k0, BWD_BC, map_kind(kinds, (i64)tr * kinds_stride));
 #pragma unroll
         for (int c0 = 0; c0 < NT_S; c0 += S_CHUNK) {
             float s[S_CHUNK][4], dp[S_CHUNK][4];

@@ -165,7 +165,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
 #endif
 
         // dSij = Pij o (dPij - Di) (through the score modifier), kept in registers (C layout).
-        const bool need_mask = band_needs_mask(mp, q0, DQ_BR, k0, DQ_BC) || map_kind(kinds, tc) != TILE_FULL;
+        const bool need_mask = tile_needs_mask(mp, q0, DQ_BR, k0, DQ_BC, map_kind(kinds, tc));
 #pragma unroll
         for (int n = 0; n < DQ_BC / 8; ++n) {
 #pragma unroll

@@ -341,8 +341,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 #if SCORE_MOD
             float slope[ST_REGS];  // the score modifier's slope at each Sij^T, for dSij^T
 #endif
-            if (band_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64) ||
-                map_kind(kinds, (i64)tr * kinds_stride) != TILE_FULL) {
+            if (tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64, map_kind(kinds, (i64)tr * kinds_stride))) {
 #pragma unroll
                 for (int n = 0; n < B90_BR / 8; ++n)
 #pragma unroll
@@ -428,8 +427,8 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 
         // Pij = exp2(Sij * scale * log2(e) + bias - Li).
         const float l2[2] = {Li[row_t], Li[row_t + 8]};
-        const bool need_mask = band_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32) ||
-                               map_kind(kinds, (i64)tr * kinds_stride) != TILE_FULL;
+        const bool need_mask =
+            tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 32 * wg, 32, map_kind(kinds, (i64)tr * kinds_stride));
 #if SCORE_MOD
         float slope[16];  // the score modifier's slope at each Sij, for dSij
 #endif

@@ -8,7 +8,8 @@
 //   SCORE_MOD, MASK_MOD  1: a score modifier (score_mod, score_mod_slope) or
 //              a mask modifier (mask_mod) is compiled in; their device code,
 //              ModTensors and its helpers come first in the variant's source
-//              (pycudaflash.mods.kernel_code).
+//              (pycudaflash.mods.kernel_code), with MASK_MOD_READS_B and
+//              MASK_MOD_READS_H: whether mask_mod reads b and h.
 //
 // Matrix products run on the tensor cores as split TF32 ("3xTF32"): each float
 // x is split into a TF32 "big" part hi = rna(x) and a "small" part lo = x - hi
@@ -42,6 +43,9 @@ static_assert(MASK_MODE >= 0 && MASK_MODE <= 2, "MASK_MODE is 0, 1 or 2");
 #error "SCORE_MOD and MASK_MOD must be defined (pycudaflash.compiler.defines)"
 #endif
 #define MODS (SCORE_MOD || MASK_MOD)  // a modifier is compiled in
+// The kernels read a block map (see flash_tile_map): of the bool mask, or
+// without one, of the mask modifier.
+#define TILE_MAPS (MASK_MODE == 1 || MASK_MOD)
 
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -72,8 +76,8 @@ typedef long long i64;
     extern "C" __constant__ int kernel##_tile = (tile);        \
     extern "C" __constant__ int kernel##_smem_bytes = (int)(smem_bytes)
 
-// The tiles of a kernel that reads the block map of a bool mask (rows x
-// keys, see tile_map_at): the launch code builds the map with them
+// The tiles of a kernel that reads a block map (rows x keys, see
+// flash_tile_map): the launch code builds the map with them
 // (pycudaflash.compiler.map_tile).
 #define TILE_MAP(kernel, rows, keys)                       \
     extern "C" __constant__ int kernel##_map_rows = (rows); \
@@ -256,10 +260,9 @@ struct MaskParams {
     int band_lo, band_hi;    // row i sees keys i + band_lo <= j <= i + band_hi
     int kl;                  // keys j >= kl are padding (key length)
     int nq;                  // rows i >= nq do not exist
-#if MASK_MODE == 1
-    const unsigned char *tmap;  // the bool mask's block map at (b, h), nullptr: none (see tile_map_at)
+#if TILE_MAPS
+    const unsigned char *tmap;  // the block map's plane at (b, h), nullptr: none (see map_plane)
     int tm_nk;                  // key tiles a row of it
-    int tm_br, tm_bc;           // its tile: the kernel's rows x keys
 #endif
 #if MODS
     int b, h;                // batch element and head (of the modifiers)
@@ -277,38 +280,43 @@ __device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
 #endif
 }
 
-// The block map of a bool mask (tmap, written by flash_tile_map; nullptr:
-// none) for a kernel's tiles of BR_ rows x BC_ keys, at (batch b, head h):
-// one plane of ceil(Nq / BR_) x ceil(Nk / BC_) bytes, row-major, for each
-// (b, h) of the mask (one for a dimension it broadcasts over).
+// The plane at (batch b, head h) of a block map (tmap, written by
+// flash_tile_map or flash_mod_tile_map; nullptr: none) for a kernel's tiles
+// of BR_ rows x BC_ keys: ceil(Nq / BR_) x ceil(Nk / BC_) bytes, row-major.
+// A map has a plane for each (b, h) of the bool mask (one for a dimension
+// it broadcasts over), or of the mask modifier (one for a position it does
+// not read).
 template <int BR_, int BC_>
 __device__ __forceinline__ const unsigned char *map_plane(const unsigned char *tmap, const AttnParams &args, int Nq,
                                                           int Nk, int b, int h) {
+#if TILE_MAPS
     const i64 plane = (i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_);
-    return tmap ? tmap + (args.m_sb ? (i64)b * (args.m_sh ? args.H : 1) * plane : 0) + (args.m_sh ? (i64)h * plane : 0)
-                : nullptr;
-}
-template <int BR_, int BC_>
-__device__ __forceinline__ void tile_map_at(MaskParams &mp, const unsigned char *tmap, const AttnParams &args, int Nq,
-                                            int Nk, int b, int h) {
 #if MASK_MODE == 1
-    mp.tm_br = BR_, mp.tm_bc = BC_;
-    mp.tm_nk = (Nk + BC_ - 1) / BC_;
-    mp.tmap = map_plane<BR_, BC_>(tmap, args, Nq, Nk, b, h);
+    const bool per_b = args.m_sb != 0, per_h = args.m_sh != 0;
 #else
-    (void)mp; (void)tmap; (void)args; (void)Nq; (void)Nk; (void)b; (void)h;
+    const bool per_b = MASK_MOD_READS_B, per_h = MASK_MOD_READS_H;
+#endif
+    return tmap ? tmap + ((per_b ? (i64)b * (per_h ? args.H : 1) : 0) + (per_h ? h : 0)) * plane : nullptr;
+#else
+    (void)tmap; (void)args; (void)Nq; (void)Nk; (void)b; (void)h;
+    return nullptr;
 #endif
 }
 
 // The masking rules of a call for one (batch b, head h): band, key length kl
-// (see key_length), dense mask and its block map for the kernel's tiles of
-// BR_ rows x BC_ keys (tile_map_at), modifiers.
+// (see key_length), dense mask, the block map's plane for the kernel's tiles
+// of BR_ rows x BC_ keys (map_plane), modifiers.
 template <int BR_, int BC_>
 __device__ __forceinline__ MaskParams mask_params(const void *mask, const unsigned char *tmap, const AttnParams &args,
                                                   int kl, int nq, int Nk, int b, int h) {
     MaskParams mp;
     mp.mask = mask;
-    tile_map_at<BR_, BC_>(mp, tmap, args, nq, Nk, b, h);
+#if TILE_MAPS
+    mp.tmap = map_plane<BR_, BC_>(tmap, args, nq, Nk, b, h);
+    mp.tm_nk = (Nk + BC_ - 1) / BC_;
+#else
+    (void)tmap;
+#endif
     mp.m_sb = args.m_sb; mp.m_sh = args.m_sh; mp.m_sq = args.m_sq; mp.m_sk = args.m_sk;
     mp.band_lo = args.band_lo; mp.band_hi = args.band_hi;
     mp.kl = kl;
@@ -366,13 +374,14 @@ __device__ __forceinline__ TileRange query_tiles(int k0, int cols, int nq, int k
 #define TILE_PARTIAL 1  // some: the mask is read per element
 #define TILE_FULL 2     // all (or no dense mask): no per-element test
 
-// The kind under the dense mask of map entry p[idx]: from the block map
-// of a bool mask (p), PARTIAL for a float mask or a bool mask without a map,
-// FULL without a dense mask.  (The band, key lengths and modifiers are not in
-// the map: band_needs_mask adds them.)
+// The kind under the dense mask and the mask modifier of map entry p[idx]:
+// from the block map (p; PARTIAL where there is none, and at most PARTIAL
+// with a float mask), FULL without either.  (The band, key lengths and
+// modifiers are not in the map: tile_needs_mask adds them.)
 __device__ __forceinline__ int map_kind(const unsigned char *p, i64 idx) {
-#if MASK_MODE == 1
-    return p ? p[idx] : TILE_PARTIAL;
+#if TILE_MAPS
+    const int kind = p ? p[idx] : TILE_PARTIAL;
+    return MASK_MODE == 2 ? min(kind, TILE_PARTIAL) : kind;
 #else
     (void)p; (void)idx;
     return MASK_MODE == 2 ? TILE_PARTIAL : TILE_FULL;
@@ -382,7 +391,7 @@ __device__ __forceinline__ int map_kind(const unsigned char *p, i64 idx) {
 // The first tile t' >= t before end whose map entry p[t' * stride] is not
 // EMPTY (without a map, t itself): the tiles a loop visits.
 __device__ __forceinline__ int next_tile(const unsigned char *p, int stride, int t, int end) {
-#if MASK_MODE == 1
+#if TILE_MAPS
     if (p)
         while (t < end && p[(i64)t * stride] == TILE_EMPTY) ++t;
 #else
@@ -392,9 +401,9 @@ __device__ __forceinline__ int next_tile(const unsigned char *p, int stride, int
 }
 
 // The block map's entries of query tile tr (key tiles 1 apart) and of key
-// tile tc (query tiles tm_nk apart); nullptr without a map.
+// tile tc (query tiles map_stride apart); nullptr without a map.
 __device__ __forceinline__ const unsigned char *map_row(const MaskParams &mp, int tr) {
-#if MASK_MODE == 1
+#if TILE_MAPS
     return mp.tmap ? mp.tmap + (i64)tr * mp.tm_nk : nullptr;
 #else
     (void)mp; (void)tr;
@@ -402,7 +411,7 @@ __device__ __forceinline__ const unsigned char *map_row(const MaskParams &mp, in
 #endif
 }
 __device__ __forceinline__ const unsigned char *map_col(const MaskParams &mp, int tc) {
-#if MASK_MODE == 1
+#if TILE_MAPS
     return mp.tmap ? mp.tmap + tc : nullptr;
 #else
     (void)mp; (void)tc;
@@ -410,7 +419,7 @@ __device__ __forceinline__ const unsigned char *map_col(const MaskParams &mp, in
 #endif
 }
 __device__ __forceinline__ int map_stride(const MaskParams &mp) {
-#if MASK_MODE == 1
+#if TILE_MAPS
     return mp.tm_nk;
 #else
     (void)mp;
@@ -426,37 +435,30 @@ __device__ __forceinline__ bool band_needs_mask(const MaskParams &mp, int i0, in
 }
 
 // Does anything hide an element of the tile: band_needs_mask, or a dense
-// mask whose block map does not mark the tile of element (i0, j0) FULL (a
-// part of one of the kernel's tiles is given its tile's kind)?
-__device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
-#if MASK_MODE == 1
-    const i64 idx = (i64)(i0 / mp.tm_br) * mp.tm_nk + j0 / mp.tm_bc;
-    return band_needs_mask(mp, i0, rows, j0, cols) || map_kind(mp.tmap, idx) != TILE_FULL;
-#else
-    return band_needs_mask(mp, i0, rows, j0, cols) || map_kind(nullptr, 0) != TILE_FULL;
-#endif
+// mask or mask modifier that leaves the tile less than FULL (`kind`, from
+// map_kind)?
+__device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols, int kind) {
+    return band_needs_mask(mp, i0, rows, j0, cols) || kind != TILE_FULL;
 }
 
-// The block map of a bool mask for tiles of br rows x bc keys (its layout:
-// tile_map_at): one block per tile of the map (grid: its tiles, the mask's
-// heads or 1, its batch or 1), the warps taking the tile's rows in turn and
-// their lanes the keys; a tile past Nq or Nk counts the elements that exist.
-LAUNCH_SHAPE(flash_tile_map, GRID_STRIDE_THREADS, 1, 0);
-extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
-flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict__ tmap, int Nq, int Nk, int br,
-               int bc, const __grid_constant__ AttnParams args) {
+// A block map for tiles of br rows x bc keys (layout: map_plane), one block
+// per tile of the map (grid: its tiles, its heads, its batch elements): the
+// warps take the tile's rows in turn and their lanes the keys, each asking
+// keep(i, j) of its elements; a tile past Nq or Nk counts the elements that
+// exist.
+template <typename Keep>
+__device__ __forceinline__ void tile_map_votes(unsigned char *tmap, int Nq, int Nk, int br, int bc, Keep keep) {
     const int nk = (Nk + bc - 1) / bc;
     const int r = blockIdx.x / nk, c = blockIdx.x - r * nk;
     const int i0 = r * br, j0 = c * bc;
     const int rows = min(br, Nq - i0), cols = min(bc, Nk - j0);
-    const unsigned char *m = mask + (i64)blockIdx.z * args.m_sb + (i64)blockIdx.y * args.m_sh;
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     bool any = false, all = true;
     for (int i = warp; i < rows; i += GRID_STRIDE_THREADS / WARP_SIZE)
         for (int j = lane; j < cols; j += WARP_SIZE) {
-            const bool keep = m[(i64)(i0 + i) * args.m_sq + (i64)(j0 + j) * args.m_sk] != 0;
-            any |= keep;
-            all &= keep;
+            const bool k = keep(i0 + i, j0 + j);
+            any |= k;
+            all &= k;
         }
     // (the block's votes: every thread's any and all are in)
     any = __syncthreads_or(any);
@@ -465,6 +467,29 @@ flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict
         tmap[((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] =
             !any ? TILE_EMPTY : (all ? TILE_FULL : TILE_PARTIAL);
 }
+
+// The block map of a bool mask (its batch element and head: blockIdx.z, .y;
+// 0 where it broadcasts).
+LAUNCH_SHAPE(flash_tile_map, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
+flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict__ tmap, int Nq, int Nk, int br,
+               int bc, const __grid_constant__ AttnParams args) {
+    const unsigned char *m = mask + (i64)blockIdx.z * args.m_sb + (i64)blockIdx.y * args.m_sh;
+    tile_map_votes(tmap, Nq, Nk, br, bc,
+                   [&](int i, int j) { return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0; });
+}
+
+#if MASK_MOD
+// The block map of the mask modifier (batch element and head: blockIdx.z, .y;
+// 0 for a position it does not read).
+LAUNCH_SHAPE(flash_mod_tile_map, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
+flash_mod_tile_map(unsigned char *__restrict__ tmap, int Nq, int Nk, int br, int bc,
+                   const __grid_constant__ AttnParams args) {
+    const int b = blockIdx.z, h = blockIdx.y;
+    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) { return (bool)mask_mod(0.f, b, h, i, j, args.mods); });
+}
+#endif
 
 #if SCORE_MOD
 // The score of element (i, j) before the score modifier, in natural units:

@@ -166,7 +166,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #endif
 
         // Scale to log2 units and apply the masks on boundary tiles.
-        const bool need_mask = band_needs_mask(mp, q0, BR, k0, BC) || map_kind(kinds, tc) != TILE_FULL;
+        const bool need_mask = tile_needs_mask(mp, q0, BR, k0, BC, map_kind(kinds, tc));
 #pragma unroll
         for (int mt = 0; mt < FWD_MT; ++mt)
 #pragma unroll

@@ -151,14 +151,14 @@ __device__ __forceinline__ void load_kv(elem_t *stage, const elem_t *src, i64 st
 struct FwdJob {
     int b, h, q0, kl;
     int tc_begin, tc_end;  // its key tiles, from the first the block map leaves
-#if MASK_MODE == 1
+#if TILE_MAPS
     const unsigned char *kinds;  // the block map's entries of its query tile (nullptr: none)
 #endif
 };
 
 // The block map's entries of a job's query tile (nullptr: none).
 __device__ __forceinline__ const unsigned char *job_kinds(const FwdJob &jb) {
-#if MASK_MODE == 1
+#if TILE_MAPS
     return jb.kinds;
 #else
     (void)jb;
@@ -200,7 +200,7 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
 #endif
     jb.kl = key_length(key_lengths, jb.b, Nk);
     const TileRange kt = key_tiles(jb.q0, BR, Nq, jb.kl, band_lo, band_hi, BC);
-#if MASK_MODE == 1
+#if TILE_MAPS
     jb.kinds = tmap ? map_plane<BR, BC>(tmap, args, Nq, Nk, jb.b, jb.h) + (i64)(jb.q0 / BR) * ((Nk + BC - 1) / BC)
                     : nullptr;
 #else
@@ -313,8 +313,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
             wgmma_wait<0>();
             wgmma_hold(s);
             float alpha[2];  // (Oi is still 0: nothing to rescale)
-            const bool need_mask =
-                band_needs_mask(mp, q0, BR, tc_begin * BC, BC) || map_kind(job_kinds(jb), tc_begin) != TILE_FULL;
+            const bool need_mask = tile_needs_mask(mp, q0, BR, tc_begin * BC, BC, map_kind(job_kinds(jb), tc_begin));
             softmax_step(s, m_i, l_i, alpha, need_mask, args.scale_log2, mp, mask_bh, q0 + row_w + g,
                          tc_begin * BC + 2 * t);
             pack_frags(p, s);
@@ -349,10 +348,8 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
 #endif
             wgmma_hold(s);
             float alpha[2];
-            softmax_step(s, m_i, l_i, alpha,
-                         band_needs_mask(mp, q0, BR, k0, BC) || map_kind(job_kinds(jb), tc) != TILE_FULL,
-                         args.scale_log2, mp, mask_bh,
-                         q0 + row_w + g, k0 + 2 * t);
+            softmax_step(s, m_i, l_i, alpha, tile_needs_mask(mp, q0, BR, k0, BC, map_kind(job_kinds(jb), tc)),
+                         args.scale_log2, mp, mask_bh, q0 + row_w + g, k0 + 2 * t);
             wgmma_wait<0>();  // P(j-1) V(j-1) is done: Oi and P(j-1) are free
             wgmma_hold(o_acc);
             hold_frag(p);

@@ -14,8 +14,10 @@ block mask is.  :meth:`BlockMask.retile` coarsens a summary to a kernel's own
 tile sizes (a multiple of the ones it was built with), and
 :meth:`BlockMask.key_lists` / :meth:`BlockMask.query_lists` give the tiles a
 forward or a dK/dV pass would visit, PARTIAL and FULL apart
-(:class:`TileLists`).  This module is the reference of the summary; the
-kernels do not read it yet (they skip only the tiles outside the band).
+(:class:`TileLists`).  This module is the reference of the summary.  The
+CUDA kernels build their own summary of a bool mask or a mask modifier on
+the GPU at every call (``flash_tile_map`` in ``cuda_src/flash_common.cuh``:
+the kinds, without the bits) and do not take a :class:`BlockMask`.
 """
 
 from __future__ import annotations

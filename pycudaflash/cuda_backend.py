@@ -581,16 +581,23 @@ class _Plan:
 
     def _tile_maps(self, prob: Problem, var: "_Variant", ws: "_Workspace", mask_ref: Any,
                    mask_strides: Tuple[int, ...], readers: Sequence[str]) -> Tuple[Dict[str, Any], List[_Kernel]]:
-        """The block map of a bool mask that each kernel of ``readers`` takes (``tmap``: a workspace
-        region, 0 without a bool mask) and the launches of ``flash_tile_map`` that build them, one
-        for each distinct tile shape.  A map has a plane per batch element and head of the mask,
-        one where the kernels read it broadcast (a zero stride of ``mask_strides``, as they find
-        their plane: ``map_plane`` in flash_common.cuh)."""
+        """The block map that each kernel of ``readers`` takes (``tmap``: a workspace region, 0
+        without one) and the launches that build them, one for each distinct tile shape: of a
+        bool mask (``flash_tile_map``) or, without one, of the mask modifier
+        (``flash_mod_tile_map``).  A map has a plane per batch element and head, one for a
+        dimension the bool mask broadcasts over (a zero stride of ``mask_strides``, as the
+        kernels read it) or a position the mask modifier does not read (``map_plane`` in
+        flash_common.cuh)."""
         refs: Dict[str, Any] = {name: 0 for name in readers}
-        if prob.mask is None or prob.mask.dtype.kind != "b":
+        if prob.mask is not None and prob.mask.dtype.kind == "b":
+            per_b, per_h = mask_strides[0] != 0, mask_strides[1] != 0
+            builder, inputs = "flash_tile_map", dict(mask=mask_ref)
+        elif prob.mask_mod is not None:
+            per_b, per_h = prob.mask_mod.reads("b"), prob.mask_mod.reads("h")
+            builder, inputs = "flash_mod_tile_map", {}
+        else:
             return refs, []
-        sb, sh = mask_strides[:2]
-        planes_b, planes_h = (prob.B if sb else 1), (prob.H if sh else 1)
+        planes_b, planes_h = (prob.B if per_b else 1), (prob.H if per_h else 1)
         built: Dict[Tuple[int, int], Any] = {}
         launches = []
         for name in readers:
@@ -598,8 +605,8 @@ class _Plan:
             if (br, bc) not in built:
                 tiles = -(-prob.Nq // br) * -(-prob.Nk // bc)
                 built[br, bc] = ref = _Ref(self.WS, ws.region(tiles * planes_h * planes_b))
-                launches.append(self._kernel(var, "flash_tile_map", (tiles, planes_h, planes_b), mask=mask_ref,
-                                             tmap=ref, br=br, bc=bc))
+                launches.append(self._kernel(var, builder, (tiles, planes_h, planes_b), **inputs, tmap=ref,
+                                             br=br, bc=bc))
             refs[name] = built[br, bc]
         return refs, launches
 

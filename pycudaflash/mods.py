@@ -326,6 +326,12 @@ class Modifier:
     def uses_score(self) -> bool:
         return _uses(self.node, SCORE)
 
+    def reads(self, position: str) -> bool:
+        """Whether the expression reads ``position`` ('b', 'h', 'i' or 'j')."""
+        if position not in POSITIONS:
+            raise ValueError(f"{position!r} is none of the positions {POSITIONS}")
+        return _uses(self.node, position)
+
     # --------------------------------------------------------------- numpy
 
     def evaluate(self, score: Any = None, *, b: Any = 0, h: Any = 0, i: Any = 0, j: Any = 0,
@@ -381,7 +387,9 @@ def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tu
     """The device code of a kernel variant with these modifiers: ``(names, code)``.
 
     ``code`` is :data:`CUDA_PRELUDE` and the device functions ``score_mod``,
-    ``score_mod_slope`` (its derivative) and ``mask_mod`` of those given;
+    ``score_mod_slope`` (its derivative) and ``mask_mod`` of those given, the
+    latter with ``MASK_MOD_READS_B`` and ``MASK_MOD_READS_H`` (1 where it
+    reads that position: the planes of its block map);
     ``names`` are the tensors they read, ``names[k]`` in slot ``k`` of
     ``ModTensors``.  The same expressions over tensors of the same kinds and
     dimensions give the same text.
@@ -397,6 +405,7 @@ def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tu
         parts += [score.cuda("score_mod", slots), score.derivative().cuda("score_mod_slope", slots)]
     if mask is not None:
         parts.append(mask.cuda("mask_mod", slots))
+        parts.append("".join(f"#define MASK_MOD_READS_{p.upper()} {int(mask.reads(p))}\n" for p in ("b", "h")))
     return names, "".join(parts)
 
 

@@ -234,3 +234,23 @@ def test_a_score_mod_slope_that_is_not_finite_where_nothing_flows_gives_no_nan()
     dq, dk, dv = reference_backward(dout, q, k, v, score_mod="where(j <= i, score, exp(score * 1000))",
                                     causal=True)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("src, reads_b, reads_h", [("doc[b, i] == doc[b, j]", True, False),
+                                                   ("(i - j) % 3 != 1", False, False),
+                                                   ("table[h, (i + j) % 9] > 0", False, True),
+                                                   ("(b + h) % 2 == (i + j) % 2", True, True)])
+def test_a_mask_modifier_says_which_positions_its_block_map_has_planes_for(src: str, reads_b: bool,
+                                                                           reads_h: bool) -> None:
+    """reads() names the positions an expression reads; kernel_code defines MASK_MOD_READS_B and _H
+    from it (the planes of the modifier's block map, map_plane in flash_common.cuh)."""
+    from pycudaflash.mods import kernel_code
+
+    m = mask_mod(src, _tensors_used(src))
+    assert (m.reads("b"), m.reads("h"), m.reads("i"), m.reads("j")) == (reads_b, reads_h, True, True)
+    code = kernel_code(None, m)[1]
+    assert f"#define MASK_MOD_READS_B {int(reads_b)}\n" in code
+    assert f"#define MASK_MOD_READS_H {int(reads_h)}\n" in code
+    assert "MASK_MOD_READS" not in kernel_code(score_mod("score * 2"), None)[1]
+    with pytest.raises(ValueError, match="none of the positions"):
+        m.reads("score")

@@ -36,6 +36,8 @@ SHAPES = {
     "causal_longer_keys": (2, 4, 4, 77, 150, 64, dict(causal="bottom_right")),
     "key_lengths_gqa": (2, 4, 2, 130, 61, 64, dict(key_lengths=np.array([61, 40]), causal=True)),
     "head_dim_256": (1, 2, 2, 70, 90, 256, dict(causal=True)),
+    # (long enough that the mask modifiers leave whole tiles empty and full: block maps)
+    "long_documents": (1, 2, 2, 520, 390, 128, {}),
 }
 
 

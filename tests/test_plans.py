@@ -175,7 +175,7 @@ class _FakeVariant:
         return compiler.KernelShape(*self.shapes.get(kernel, (256, 1)), 0)
 
     def params(self, kernel: str) -> compiler.KernelParams:
-        return compiler.kernel_params(self.pass_, kernel)
+        return compiler.kernel_params(self.pass_, kernel, tuple(sorted(self.defs.items())))
 
     def map_tile(self, kernel: str) -> tuple:
         return {"flash_bwd_dkdv_kernel": (64, 128), "flash_bwd_dq_kernel": (64, 64)}[kernel]
@@ -231,45 +231,66 @@ def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: in
     assert plan.ws_bytes >= 2 * 2 * B * H * Nk * D
 
 
-@pytest.mark.parametrize("mask_shape, planes", [((2, 1, 33, 70), (2, 1)), ((1, 4, 33, 70), (1, 4)),
-                                                ((33, 70), (1, 1)), ((2, 4, 33, 70), (2, 4))])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_plan_builds_the_block_maps_of_a_bool_mask(monkeypatch: pytest.MonkeyPatch, mask_shape: tuple,
-                                                            planes: tuple, deterministic: bool) -> None:
-    """A bool mask gets one block map a tile shape of the kernels that read it, built first
-    (flash_tile_map: grid (tiles, mask heads or 1, mask batch or 1), its tile sizes passed), each
-    in its own workspace region of one byte a tile and plane, and the reader's tmap points there."""
-    from pycudaflash import cuda_backend
+# (a bool mask's shape or a mask modifier with its tensors, and the map's planes: (batch, heads))
+_MAP_SOURCES = [
+    ("mask", (2, 1, 33, 70), (2, 1)), ("mask", (1, 4, 33, 70), (1, 4)), ("mask", (33, 70), (1, 1)),
+    ("mask", (2, 4, 33, 70), (2, 4)),
+    ("mask_mod", ("doc[b, i] == doc[b, j]", {"doc": np.zeros((2, 70), np.int32)}), (2, 1)),
+    ("mask_mod", ("keep[h, j]", {"keep": np.ones((4, 70), bool)}), (1, 4)),
+    ("mask_mod", ("(i // 8) != (j // 8)", {}), (1, 1)),
+    ("mask_mod", ("tab[b, h, i] >= j", {"tab": np.zeros((2, 4, 33), np.int32)}), (2, 4)),
+]
 
-    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, "bool", "float16", "sm_80"),
-                        {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
-                         "flash_bwd_dq_kernel": (128, 64)})
-    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
-    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+
+@pytest.mark.parametrize("source, what, planes", _MAP_SOURCES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, source: str, what: tuple,
+                                             planes: tuple, deterministic: bool) -> None:
+    """A bool mask, or without one a mask modifier, gets one block map a tile shape of the
+    kernels that read it, built first (flash_tile_map / flash_mod_tile_map: grid (tiles, heads of
+    the map, batch elements of the map), its tile sizes passed), each in its own workspace region
+    of one byte a tile and plane, and the reader's tmap points there.  A map has a plane per
+    batch element and head that the mask does not broadcast over, or that the modifier reads."""
+    from pycudaflash import cuda_backend
+    from pycudaflash.mods import mask_mod
+
     B, H, Nq, Nk, D = 2, 4, 33, 70, 64
     x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, D), np.float16)
          for n in ("q", "k", "v", "dout", "out")}
-    mask = np.ones(mask_shape, bool)
+    if source == "mask":
+        kw, mods, kind, builder = dict(mask=np.ones(what, bool)), (None, None), "bool", "flash_tile_map"
+    else:
+        kw = dict(mask_mod=what[0], mod_tensors=what[1] or None)
+        mods, kind, builder = (None, mask_mod(*what)), "none", "flash_mod_tile_map"
+    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, kind, "float16", "sm_80", mods=mods),
+                        {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
+                         "flash_bwd_dq_kernel": (128, 64)})
+    fake.mod_names = tuple(sorted(what[1])) if source == "mask_mod" else ()
+    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
     prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32),
-                                       mask=mask, deterministic=deterministic)
+                                       deterministic=deterministic, **kw)
     names = cuda_backend.OPERANDS["bwd"][:-1]
     shapes = dict(zip((names[i] for i in cuda_backend.BackwardPlan.OUTPUTS), cuda_backend._output_shapes(prob, "bwd")))
     plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
     P = cuda_backend.BackwardPlan
     readers = ["flash_bwd_dkdv_kernel"] + (["flash_bwd_dq_kernel"] if deterministic else [])
-    builders = [k for k in plan.kernels if k.name == "flash_tile_map"]
+    builders = [k for k in plan.kernels if k.name in ("flash_tile_map", "flash_mod_tile_map")]
     assert plan.kernels[:len(builders)] == builders and len(builders) == len(readers)
-    bparams = compiler.kernel_params("bwd_f16", "flash_tile_map")
+    assert {k.name for k in builders} == {builder}
+    bparams = compiler.kernel_params("bwd_f16", builder)
     regions = []
-    for builder, reader in zip(builders, readers):
+    for built, reader in zip(builders, readers):
         br, bc = fake.map_tile(reader)
         tiles = -(-Nq // br) * -(-Nk // bc)
-        assert builder.grid == (tiles, planes[1], planes[0])
+        assert built.grid == (tiles, planes[1], planes[0])
         n_ptr = len(bparams.pointers)
-        sizes = dict(zip((n for n, _ in bparams.scalars), builder.slots[n_ptr:n_ptr + len(bparams.scalars)]))
+        sizes = dict(zip((n for n, _ in bparams.scalars), built.slots[n_ptr:n_ptr + len(bparams.scalars)]))
         assert sizes == {"Nq": Nq, "Nk": Nk, "br": br, "bc": bc}
-        brefs = {bparams.pointers[i]: (src, off) for i, src, off in builder.refs}
-        assert brefs["mask"] == (P.M, 0) and brefs["tmap"][0] == P.WS
+        brefs = {bparams.pointers[i]: (src, off) for i, src, off in built.refs}
+        assert brefs["tmap"][0] == P.WS
+        if source == "mask":
+            assert brefs["mask"] == (P.M, 0)
         kernel = next(k for k in plan.kernels if k.name == reader)
         rptr = compiler.kernel_params("bwd_f16", reader).pointers
         assert {rptr[i]: (src, off) for i, src, off in kernel.refs}["tmap"] == brefs["tmap"]
@@ -278,3 +299,32 @@ def test_backward_plan_builds_the_block_maps_of_a_bool_mask(monkeypatch: pytest.
     for (a, n), (b, _) in zip(regions, regions[1:]):
         assert a + n <= b, "block maps overlap"
     assert regions[-1][0] + regions[-1][1] <= plan.ws_bytes
+
+
+def test_a_plan_without_a_bool_mask_or_mask_modifier_builds_no_block_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float mask, a score modifier alone or no mask at all: no builder, every tmap 0."""
+    from pycudaflash import cuda_backend
+    from pycudaflash.mods import score_mod
+
+    B, H, Nq, Nk, D = 2, 4, 33, 70, 64
+    x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, D), np.float16)
+         for n in ("q", "k", "v", "dout", "out")}
+    for kw, kind, mods in ((dict(mask=np.zeros((Nq, Nk), np.float32)), "float", (None, None)),
+                           (dict(score_mod="score * 2"), "none", (score_mod("score * 2"), None)),
+                           ({}, "none", (None, None))):
+        fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, kind, "float16", "sm_80", mods=mods),
+                            {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
+                             "flash_bwd_dq_kernel": (128, 64)})
+        monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
+        monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+        prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"],
+                                           np.zeros((B, H, Nq), np.float32), deterministic=True, **kw)
+        names = cuda_backend.OPERANDS["bwd"][:-1]
+        shapes = dict(zip((names[i] for i in cuda_backend.BackwardPlan.OUTPUTS),
+                          cuda_backend._output_shapes(prob, "bwd")))
+        plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
+        assert not [k for k in plan.kernels if k.name.endswith("tile_map")]
+        for reader in ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"):
+            kernel = next(k for k in plan.kernels if k.name == reader)
+            rptr = compiler.kernel_params("bwd_f16", reader).pointers
+            assert "tmap" not in {rptr[i] for i, _, _ in kernel.refs}, f"{reader} got a block map"
