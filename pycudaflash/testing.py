@@ -588,6 +588,7 @@ class _LowpForward:
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype, scale: float,
         allowed: np.ndarray, bias: Optional[np.ndarray], smod: Any = None, pos: Optional[Dict[str, Any]] = None,
+        round_p: str = "normalized",
     ) -> None:
         f32 = np.float32
 
@@ -626,7 +627,10 @@ class _LowpForward:
         self.P = E / l_safe[..., None]  # float32, as torch's softmax(dtype=float32)
         self.Pd = rnd(self.P)  # .to(dtype)
         self.lse = np.where(seen, m_safe + np.log(l_safe), f32(-np.inf)).astype(f32)
-        self.out = rnd(np.matmul(self.Pd, self.v))
+        if round_p == "normalized":
+            self.out = rnd(np.matmul(self.Pd, self.v))
+        else:  # the blockwise order: exp(S - m) rounded, products summed, divided by l at the end
+            self.out = rnd(np.matmul(rnd(E), self.v) / l_safe[..., None])
 
 
 def _lowp_dtype(q: Any, dtype: Any) -> np.dtype:
@@ -650,6 +654,7 @@ def lowp_reference_forward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Any = None,
+    round_p: str = "normalized",
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Naive attention in a low-precision dtype, as plain torch operations compute it.
 
@@ -688,6 +693,13 @@ def lowp_reference_forward(
     dtype : str or dtype, optional
         ``'float16'`` or ``'bfloat16'`` (``'float32'`` gives a naive float32
         attention); default q's dtype.
+    round_p : {'normalized', 'unnormalized'}, optional
+        Which probabilities are rounded to ``dtype`` before ``p @ v``:
+        ``'normalized'`` (default) rounds ``softmax(s)`` as above;
+        ``'unnormalized'`` rounds ``exp(s - rowmax(s))`` and divides the
+        float32 product by the row sum afterwards, the order of blockwise
+        (flash) attention.  The two orders round different numbers, so on
+        small outputs one may be far luckier than the other.
 
     Returns
     -------
@@ -707,8 +719,10 @@ def lowp_reference_forward(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
     allowed, smod, pos = _with_mods(allowed, score_mod, mask_mod, mod_tensors)
+    if round_p not in ("normalized", "unnormalized"):
+        raise ValueError(f"round_p must be 'normalized' or 'unnormalized', got {round_p!r}")
     k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos)
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos, round_p)
     return fwd.out.astype(dt), fwd.lse
 
 

@@ -77,7 +77,15 @@ BOUNDS: Dict[Tuple[str, str], Dict[str, float]] = {
 # The norm condition then reads
 #     ||result - ref|| <= 2 ||baseline - ref|| + floor * (||ref|| + ||noise floor||):
 # at most twice the baseline's error, plus the floor.  The element bound of
-# check() scales with the same rtol_norm.
+# check() scales with the same rtol_norm.  For out, baseline_error is the larger
+# of two naive orders' errors: the one above, which rounds the normalized
+# softmax, and the blockwise one (lowp_reference_forward(round_p=
+# 'unnormalized')), which rounds exp(s - rowmax) and divides by the row sum at
+# the end, as every flash kernel does.  On large outputs the two errors agree;
+# on a handful of elements one order can be lucky where the other is not (seen:
+# B = H = Nq = 1, Nk = 2, D = 1, bfloat16, values of opposite signs that cancel
+# to a tenth of their size: the softmax order is off by 0.08 of a unit in the last
+# place, the blockwise order and the kernel, bit for bit, by 1.08).
 #
 # The floors, as fractions of the unit roundoff u (2**-11 for float16, 2**-8
 # for bfloat16):
@@ -318,9 +326,12 @@ def _lowp_bounds(
 ) -> Dict[str, float]:
     """``2 * baseline_error + LOWP_FLOOR`` for each quantity in ``names``."""
     base = _lowp_baseline(problem, x, kw, backend, backward="dq" in names)
+    blockwise_out, _ = lowp_reference_forward(x["q"], x["k"], x["v"], round_p="unnormalized", **kw)
     bounds = {}
     for name in names:
         err = relative_error(base[name], ref[name], floors[name])
+        if name == "out":
+            err = max(err, relative_error(blockwise_out, ref[name], floors[name]))
         assert math.isfinite(err), (
             f"the {problem.dtype} baseline itself is not finite for {name} (or misses the "
             f"reference's -inf pattern): {problem}"
