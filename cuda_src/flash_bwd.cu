@@ -114,9 +114,7 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = s_row + g + 8 * (e >> 1), c = s_col + 8 * n + 2 * t + (e & 1);
-                const float x = need_mask
-                                    ? masked_score(s[0][n][e], args.scale_log2, blk.mp, blk.mask_bh, i0 + r, blk.k0 + c)
-                                    : s[0][n][e] * args.scale_log2;
+                const float x = tile_score(s[0][n][e], need_mask, args.scale_log2, blk.mp, blk.mask_bh, i0 + r, blk.k0 + c);
                 const float l2 = Li[r];
                 const float p = (l2 == NEG_INF) ? 0.f : exp2f(x - l2);
                 Pij[r * LD_S + c] = p;

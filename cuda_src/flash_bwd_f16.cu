@@ -157,9 +157,8 @@ FLASH_BWD_DKDV_KERNEL(BWD_THREADS) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float sv = s[n][2 * r + e];
-                        const float x =
-                            need_mask ? masked_score(sv, args.scale_log2, blk.mp, blk.mask_bh, i0 + row, blk.k0 + c + e)
-                                      : sv * args.scale_log2;
+                        const float x = tile_score(sv, need_mask, args.scale_log2, blk.mp, blk.mask_bh, i0 + row,
+                                                   blk.k0 + c + e);
                         p[e] = (l2 == NEG_INF) ? 0.f : exp2_fast(x - l2);
                         ds[e] = DS_THROUGH_SCORE_MOD(p[e] * (dp[n][2 * r + e] - di), sv, blk.mp, blk.mask_bh, i0 + row,
                                                      blk.k0 + c + e);

@@ -172,8 +172,7 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
                 const int i = q0 + row_w + g + 8 * r, j = k0 + 8 * n + 2 * t + (e & 1);
-                const float x = need_mask ? masked_score(s[0][n][e], args.scale_log2, mp, mask_bh, i, j)
-                                          : s[0][n][e] * args.scale_log2;
+                const float x = tile_score(s[0][n][e], need_mask, args.scale_log2, mp, mask_bh, i, j);
                 const float p = (l2[r] == NEG_INF) ? 0.f : softmax_exp2(x - l2[r]);
                 s[0][n][e] = DS_THROUGH_SCORE_MOD(p * (dp[0][n][e] - di[r]), s[0][n][e], mp, mask_bh, i, j);
             }

@@ -337,11 +337,13 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             // Pij^T = exp2(Sij^T * scale * log2(e) + bias - Li): column = query row.
             // A row that sees no key (Li = -inf) subtracts +inf instead, so that
             // its Pij^T is exp2(-inf) = 0.  Two loops (a warp-uniform branch), so
-            // that an unmasked tile pays one FFMA per score and no mask tests.
+            // that a tile without tests or score modifier pays one FFMA per score.
 #if SCORE_MOD
             float slope[ST_REGS];  // the score modifier's slope at each Sij^T, for dSij^T
 #endif
-            if (tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64, map_kind(kinds, (i64)tr * kinds_stride))) {
+            const bool need_mask =
+                tile_needs_mask(blk.mp, i0, B90_BR, blk.k0 + 64 * wg, 64, map_kind(kinds, (i64)tr * kinds_stride));
+            if (SCORE_MOD || need_mask) {
 #pragma unroll
                 for (int n = 0; n < B90_BR / 8; ++n)
 #pragma unroll
@@ -352,9 +354,9 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
                         slope[4 * n + e] = score_slope(sT[4 * n + e], blk.mp, blk.mask_bh, i0 + row,
                                                        blk.k0 + key_w + 8 * (e >> 1));
 #endif
-                        sT[4 * n + e] = exp2_fast(masked_score(sT[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh,
-                                                               i0 + row,
-                                                               blk.k0 + key_w + 8 * (e >> 1)) - base);
+                        sT[4 * n + e] = exp2_fast(tile_score(sT[4 * n + e], need_mask, args.scale_log2, blk.mp,
+                                                             blk.mask_bh, i0 + row, blk.k0 + key_w + 8 * (e >> 1)) -
+                                                  base);
                     }
             } else {
 #pragma unroll
@@ -440,8 +442,7 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
 #if SCORE_MOD
                 slope[4 * n + e] = score_slope(s[4 * n + e], blk.mp, blk.mask_bh, row, key);
 #endif
-                const float x = need_mask ? masked_score(s[4 * n + e], args.scale_log2, blk.mp, blk.mask_bh, row, key)
-                                          : s[4 * n + e] * args.scale_log2;
+                const float x = tile_score(s[4 * n + e], need_mask, args.scale_log2, blk.mp, blk.mask_bh, row, key);
                 s[4 * n + e] = (l2[e >> 1] == NEG_INF) ? 0.f : exp2_fast(x - l2[e >> 1]);
             }
         wgmma_wait<0>();  // dPij is done

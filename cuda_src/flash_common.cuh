@@ -427,16 +427,17 @@ __device__ __forceinline__ int map_stride(const MaskParams &mp) {
 #endif
 }
 
-// Does the band, key length, row range or a modifier hide an element of the
-// tile [i0, i0 + rows) x [j0, j0 + cols)?
+// Does the band, key length or row range hide an element of the tile
+// [i0, i0 + rows) x [j0, j0 + cols)?
 __device__ __forceinline__ bool band_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols) {
-    return MODS || j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
+    return j0 + cols > mp.kl || i0 + rows > mp.nq || j0 < i0 + rows - 1 + mp.band_lo ||
            j0 + cols - 1 > i0 + mp.band_hi;
 }
 
 // Does anything hide an element of the tile: band_needs_mask, or a dense
 // mask or mask modifier that leaves the tile less than FULL (`kind`, from
-// map_kind)?
+// map_kind; a mask modifier without its map is PARTIAL everywhere)?  A tile
+// that needs none of the tests still takes the score modifier (tile_score).
 __device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, int rows, int j0, int cols, int kind) {
     return band_needs_mask(mp, i0, rows, j0, cols) || kind != TILE_FULL;
 }
@@ -527,6 +528,20 @@ __device__ __forceinline__ float masked_score(float s, float scale_log2, const M
     x = score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods) * LOG2E;
 #endif
     return x;
+}
+
+// Scaled score of element (i, j) in log2 units on a tile of the kind
+// tile_needs_mask says: masked_score where it needs the tests, else
+// s * scale_log2, through the score modifier if there is one.
+__device__ __forceinline__ float tile_score(float s, bool need_mask, float scale_log2, const MaskParams &mp,
+                                            const char *mask_base, int i, int j) {
+    if (need_mask) return masked_score(s, scale_log2, mp, mask_base, i, j);
+#if SCORE_MOD
+    return score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods) * LOG2E;
+#else
+    (void)mp; (void)mask_base; (void)i; (void)j;
+    return s * scale_log2;
+#endif
 }
 
 #if SCORE_MOD

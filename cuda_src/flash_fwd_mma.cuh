@@ -175,8 +175,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
                 for (int e = 0; e < 4; ++e) {
                     const int i = q0 + row_w + 16 * mt + g + 8 * (e >> 1);
                     const int j = k0 + 8 * n + 2 * t + (e & 1);
-                    s[mt][n][e] = need_mask ? masked_score(s[mt][n][e], args.scale_log2, mp, mask_bh, i, j)
-                                            : s[mt][n][e] * args.scale_log2;
+                    s[mt][n][e] = tile_score(s[mt][n][e], need_mask, args.scale_log2, mp, mask_bh, i, j);
                 }
 
         // Online softmax: new row max mi, rescale factor, Pij = exp2(Sij - mi).

@@ -83,25 +83,25 @@ static_assert(HEAD_DIM % 16 == 0, "head dim: whole k steps of Qi Kj^T");
 static_assert(FWD_WGS >= 1 && FWD_WGS <= 3, "warpgroups of a block (up to 384 threads)");
 static_assert(BR % 8 == 0 && BC % 8 == 0, "tiles are whole 8-row swizzle groups");
 
-// Scores to log2 units (masked on boundary tiles), then the online softmax
+// Scores to log2 units (tile_score: masked on boundary tiles, through the
+// score modifier if any), then the online softmax
 // of one tile: new row max mi, alpha = exp2(m_old - mi) for Oi, Pij =
 // exp2(Sij - mi) in place, li = alpha * li + rowsum(Pij) (this thread's
 // columns).  i0: row of s[0]; j0: column of s[0].  With FWD_FOLD, on a
-// tile without masks (and scale > 0, so that scaling keeps the maximum) the
+// tile without masks or score modifier (and scale > 0, so that scaling keeps the maximum) the
 // scale is folded into the exponent instead: the raw row maximum, then one
 // FFMA per score, exp2(s * scale_log2 - mi).
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], float (&m_i)[2], float (&l_i)[2], float (&alpha)[2],
                                              bool need_mask, float scale_log2, const MaskParams &mp,
                                              const char *mask_bh, int i0, int j0) {
-    const bool fold = FWD_FOLD && !need_mask && scale_log2 > 0.f;
+    const bool fold = FWD_FOLD && !SCORE_MOD && !need_mask && scale_log2 > 0.f;
     if (!fold) {
 #pragma unroll
         for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                s[4 * n + e] = need_mask ? masked_score(s[4 * n + e], scale_log2, mp, mask_bh, i0 + 8 * (e >> 1),
-                                                        j0 + 8 * n + (e & 1))
-                                         : s[4 * n + e] * scale_log2;
+                s[4 * n + e] = tile_score(s[4 * n + e], need_mask, scale_log2, mp, mask_bh, i0 + 8 * (e >> 1),
+                                          j0 + 8 * n + (e & 1));
     }
     const float c = fold ? scale_log2 : 1.f;  // what still multiplies s
 #pragma unroll

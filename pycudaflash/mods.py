@@ -630,11 +630,63 @@ __device__ __forceinline__ long long mod_floormod(long long a, long long b) {{
 }}
 """
 
-_CTYPE = {"bool": "bool", "int": "long long", "float": "float"}
+_I32 = (-(2 ** 31), 2 ** 31 - 1)
 
 
-def _as(kind: Kind, code: str, have: Kind) -> str:
-    return code if kind == have else f"(({_CTYPE[kind]})({code}))"
+def _int_range(n: Node) -> Optional[Tuple[int, int]]:
+    """Bounds of an int expression's exact value, None where unknown.  Positions
+    are kernel ints (0 .. 2**31 - 1), int tensors int32."""
+    if isinstance(n, Num):
+        return (int(n.value), int(n.value))
+    if isinstance(n, Var):
+        return (0, _I32[1])
+    if isinstance(n, Load):
+        return _I32
+    if isinstance(n, Unary):
+        r = _int_range(n.x)
+        return None if r is None else (-r[1], -r[0])
+    if isinstance(n, Call) and n.fn in ("abs", "min", "max", "where"):
+        rs = [_int_range(x) for x in (n.args[1:] if n.fn == "where" else n.args)]
+        if any(r is None for r in rs):
+            return None
+        if n.fn == "abs":
+            lo, hi = rs[0]
+            return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+        if n.fn == "min":
+            return (min(rs[0][0], rs[1][0]), min(rs[0][1], rs[1][1]))
+        if n.fn == "max":
+            return (max(rs[0][0], rs[1][0]), max(rs[0][1], rs[1][1]))
+        return (min(rs[0][0], rs[1][0]), max(rs[0][1], rs[1][1]))
+    if isinstance(n, Bin):
+        a, b = _int_range(n.a), _int_range(n.b)
+        if a is None or b is None:
+            return None
+        if n.op == "+":
+            return (a[0] + b[0], a[1] + b[1])
+        if n.op == "-":
+            return (a[0] - b[1], a[1] - b[0])
+        if n.op == "*":
+            c = [x * y for x in a for y in b]
+            return (min(c), max(c))
+        m = max(abs(a[0]), abs(a[1])) + 1 if n.op == "//" else max(abs(b[0]), abs(b[1]))
+        return (-m, m)  # (// : |a // b| <= |a| + 1; % : |a % b| < |b|; 0 for b = 0)
+    return None
+
+
+def _ctype(n: Node) -> str:
+    """The C type of a node's value: int expressions in 32 bits where their
+    exact value always fits, else 64 (the language's ints are 64-bit: a 32-bit
+    int only holds values that the 64-bit one would have)."""
+    if n.kind != "int":
+        return n.kind
+    r = _int_range(n)
+    return "int" if r is not None and _I32[0] <= r[0] and r[1] <= _I32[1] else "long long"
+
+
+def _as(ctype: str, n: Node, slots: Dict[str, int]) -> str:
+    """Node n's code as a value of C type ctype."""
+    code = _cuda(n, slots)
+    return code if _ctype(n) == ctype else f"(({ctype})({code}))"
 
 
 def _cuda(n: Node, slots: Dict[str, int]) -> str:
@@ -642,7 +694,7 @@ def _cuda(n: Node, slots: Dict[str, int]) -> str:
         if n.kind == "bool":
             return "true" if n.value else "false"
         if n.kind == "int":
-            return f"{int(n.value)}LL"
+            return f"{int(n.value)}" if _ctype(n) == "int" else f"{int(n.value)}LL"
         v = float(n.value)
         if v != v:
             return "__int_as_float(0x7fffffff)"
@@ -650,40 +702,61 @@ def _cuda(n: Node, slots: Dict[str, int]) -> str:
             return "__int_as_float(0x7f800000)" if v > 0 else "__int_as_float(0xff800000)"
         return f"{v!r}f"
     if isinstance(n, Var):
-        return "score" if n.name == SCORE else f"((long long){n.name})"
+        return "score" if n.name == SCORE else n.name
     if isinstance(n, Load):
         k = slots[n.tensor]
-        off = " + ".join(f"mod_at({_cuda(x, slots)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
+        off = " + ".join(f"mod_at({_as('long long', x, slots)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
                          for d, x in enumerate(n.index))
         if n.kind == "float":
             return f"((const float *)mods.data[{k}])[{off}]"
         if n.kind == "int":
-            return f"((long long)((const int *)mods.data[{k}])[{off}])"
+            return f"((const int *)mods.data[{k}])[{off}]"
         return f"(((const unsigned char *)mods.data[{k}])[{off}] != 0)"
     if isinstance(n, Unary):
-        return f"(-{_cuda(n.x, slots)})" if n.op == "-" else f"(!{_cuda(n.x, slots)})"
+        return f"(-{_as(_ctype(n), n.x, slots)})" if n.op == "-" else f"(!{_cuda(n.x, slots)})"
     if isinstance(n, Bin):
         if n.op in ("&", "|"):
             return f"({_cuda(n.a, slots)} {'&&' if n.op == '&' else '||'} {_cuda(n.b, slots)})"
         if n.op in ("//", "%"):
             fn = "mod_floordiv" if n.op == "//" else "mod_floormod"
-            return f"{fn}({_cuda(n.a, slots)}, {_cuda(n.b, slots)})"
-        k = n.kind
-        return f"({_as(k, _cuda(n.a, slots), n.a.kind)} {n.op} {_as(k, _cuda(n.b, slots), n.b.kind)})"
+            return _cast(_ctype(n), f"{fn}({_as('long long', n.a, slots)}, {_as('long long', n.b, slots)})",
+                         "long long")
+        if n.op == "/" and isinstance(n.b, Num) and _reciprocal(float(n.b.value)) is not None:
+            # by a constant: times its reciprocal (within an ulp of the quotient)
+            return f"({_as('float', n.a, slots)} * {_reciprocal(float(n.b.value))!r}f)"
+        c = _ctype(n)
+        return f"({_as(c, n.a, slots)} {n.op} {_as(c, n.b, slots)})"
     if isinstance(n, Cmp):
-        k = n.a.kind if n.a.kind == "bool" else _promote(n.a.kind, n.b.kind)
-        return f"({_as(k, _cuda(n.a, slots), n.a.kind)} {n.op} {_as(k, _cuda(n.b, slots), n.b.kind)})"
-    a = [_cuda(x, slots) for x in n.args]
+        c = "bool" if n.a.kind == "bool" else _wider(_ctype(n.a), _ctype(n.b))
+        return f"({_as(c, n.a, slots)} {n.op} {_as(c, n.b, slots)})"
+    c = _ctype(n)
     if n.fn == "where":
-        return (f"({a[0]} ? {_as(n.kind, a[1], n.args[1].kind)} : "
-                f"{_as(n.kind, a[2], n.args[2].kind)})")
+        return f"({_cuda(n.args[0], slots)} ? {_as(c, n.args[1], slots)} : {_as(c, n.args[2], slots)})"
     if n.fn == "float":
-        return _as("float", a[0], n.args[0].kind)
+        return _as("float", n.args[0], slots)
     if n.fn in ("exp", "log", "tanh"):
-        return f"{n.fn}f({_as('float', a[0], n.args[0].kind)})"
+        return f"{n.fn}f({_as('float', n.args[0], slots)})"
     if n.fn == "abs":
-        return f"fabsf({a[0]})" if n.kind == "float" else f"llabs({a[0]})"
-    if n.kind == "float":
-        return f"{'fminf' if n.fn == 'min' else 'fmaxf'}({_as('float', a[0], n.args[0].kind)}, " \
-               f"{_as('float', a[1], n.args[1].kind)})"
-    return f"{n.fn}({a[0]}, {a[1]})"
+        return f"fabsf({_cuda(n.args[0], slots)})" if c == "float" else f"abs({_as(c, n.args[0], slots)})"
+    if c == "float":
+        return f"{'fminf' if n.fn == 'min' else 'fmaxf'}({_as(c, n.args[0], slots)}, {_as(c, n.args[1], slots)})"
+    return f"{n.fn}({_as(c, n.args[0], slots)}, {_as(c, n.args[1], slots)})"
+
+
+def _cast(ctype: str, code: str, have: str) -> str:
+    return code if ctype == have else f"(({ctype})({code}))"
+
+
+def _wider(a: str, b: str) -> str:
+    """The C type two operands are compared in."""
+    if "float" in (a, b):
+        return "float"
+    return "long long" if "long long" in (a, b) else "int"
+
+
+def _reciprocal(v: float) -> Optional[float]:
+    """1 / v as a float32 constant, None where it is not a normal finite number."""
+    if v == 0.0 or not np.isfinite(v):
+        return None
+    r = np.float32(1.0 / v)
+    return float(r) if np.isfinite(r) and abs(r) >= np.finfo(np.float32).tiny else None
