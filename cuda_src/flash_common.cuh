@@ -283,18 +283,22 @@ __device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
 // The plane at (batch b, head h) of a block map (tmap, written by
 // flash_tile_map or flash_mod_tile_map; nullptr: none) for a kernel's tiles
 // of BR_ rows x BC_ keys: ceil(Nq / BR_) x ceil(Nk / BC_) bytes, row-major.
-// A map has a plane for each (b, h) of the bool mask (one for a dimension
-// it broadcasts over), or of the mask modifier (one for a position it does
-// not read).
+// A map has a plane for each (b, h) of the bool mask and the mask modifier
+// together: one for a dimension the mask broadcasts over and the modifier
+// does not read.
 template <int BR_, int BC_>
 __device__ __forceinline__ const unsigned char *map_plane(const unsigned char *tmap, const AttnParams &args, int Nq,
                                                           int Nk, int b, int h) {
 #if TILE_MAPS
     const i64 plane = (i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_);
+    bool per_b = false, per_h = false;
 #if MASK_MODE == 1
-    const bool per_b = args.m_sb != 0, per_h = args.m_sh != 0;
-#else
-    const bool per_b = MASK_MOD_READS_B, per_h = MASK_MOD_READS_H;
+    per_b = args.m_sb != 0;
+    per_h = args.m_sh != 0;
+#endif
+#if MASK_MOD
+    per_b |= (bool)MASK_MOD_READS_B;
+    per_h |= (bool)MASK_MOD_READS_H;
 #endif
     return tmap ? tmap + ((per_b ? (i64)b * (per_h ? args.H : 1) : 0) + (per_h ? h : 0)) * plane : nullptr;
 #else
@@ -469,20 +473,26 @@ __device__ __forceinline__ void tile_map_votes(unsigned char *tmap, int Nq, int 
             !any ? TILE_EMPTY : (all ? TILE_FULL : TILE_PARTIAL);
 }
 
-// The block map of a bool mask (its batch element and head: blockIdx.z, .y;
-// 0 where it broadcasts).
+// The block map of a bool mask, and of the mask modifier with it (the
+// plane's batch element and head: blockIdx.z, .y; 0 where neither varies).
 LAUNCH_SHAPE(flash_tile_map, GRID_STRIDE_THREADS, 1, 0);
 extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict__ tmap, int Nq, int Nk, int br,
                int bc, const __grid_constant__ AttnParams args) {
     const unsigned char *m = mask + (i64)blockIdx.z * args.m_sb + (i64)blockIdx.y * args.m_sh;
-    tile_map_votes(tmap, Nq, Nk, br, bc,
-                   [&](int i, int j) { return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0; });
+    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) {
+#if MASK_MOD
+        return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0 &&
+               mask_mod(0.f, blockIdx.z, blockIdx.y, i, j, args.mods);
+#else
+        return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0;
+#endif
+    });
 }
 
 #if MASK_MOD
-// The block map of the mask modifier (batch element and head: blockIdx.z, .y;
-// 0 for a position it does not read).
+// The block map of the mask modifier without a bool mask (batch element and
+// head: blockIdx.z, .y; 0 for a position it does not read).
 LAUNCH_SHAPE(flash_mod_tile_map, GRID_STRIDE_THREADS, 1, 0);
 extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_mod_tile_map(unsigned char *__restrict__ tmap, int Nq, int Nk, int br, int bc,

@@ -408,6 +408,10 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         out.update(B90_BR=t.bwd90_br, B90_WGS=wgs, DQ_BC=_dq_bc(t, head_dim, MOD_CODE in out))
     elif pass_.startswith("fwd"):
         out.update(BC=t.fwd_bc, FWD_WARPS=t.fwd_warps)
+        if not half and MOD_CODE in out and _lean(arch):
+            # (the float32 kernel's masked and modified score paths of 64 keys would spill
+            # before sm_90: 32 keys a step there)
+            out["BC"] = min(out["BC"], 32)
         if half:
             out["FWD_MT"] = t.fwd_mt
     else:

@@ -583,17 +583,18 @@ class _Plan:
                    mask_strides: Tuple[int, ...], readers: Sequence[str]) -> Tuple[Dict[str, Any], List[_Kernel]]:
         """The block map that each kernel of ``readers`` takes (``tmap``: a workspace region, 0
         without one) and the launches that build them, one for each distinct tile shape: of a
-        bool mask (``flash_tile_map``) or, without one, of the mask modifier
-        (``flash_mod_tile_map``).  A map has a plane per batch element and head, one for a
-        dimension the bool mask broadcasts over (a zero stride of ``mask_strides``, as the
-        kernels read it) or a position the mask modifier does not read (``map_plane`` in
-        flash_common.cuh)."""
+        bool mask and the mask modifier together (``flash_tile_map``) or, without a bool
+        mask, of the mask modifier (``flash_mod_tile_map``).  A map has a plane per batch
+        element and head, one for a dimension that the bool mask broadcasts over (a zero
+        stride of ``mask_strides``, as the kernels read it) and the mask modifier does not
+        read (``map_plane`` in flash_common.cuh)."""
         refs: Dict[str, Any] = {name: 0 for name in readers}
+        mod = prob.mask_mod
+        per_b, per_h = (mod.reads("b"), mod.reads("h")) if mod is not None else (False, False)
         if prob.mask is not None and prob.mask.dtype.kind == "b":
-            per_b, per_h = mask_strides[0] != 0, mask_strides[1] != 0
+            per_b, per_h = per_b or mask_strides[0] != 0, per_h or mask_strides[1] != 0
             builder, inputs = "flash_tile_map", dict(mask=mask_ref)
-        elif prob.mask_mod is not None:
-            per_b, per_h = prob.mask_mod.reads("b"), prob.mask_mod.reads("h")
+        elif mod is not None:
             builder, inputs = "flash_mod_tile_map", {}
         else:
             return refs, []

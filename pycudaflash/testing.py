@@ -588,34 +588,37 @@ class _LowpForward:
     def __init__(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype, scale: float,
         allowed: np.ndarray, bias: Optional[np.ndarray], smod: Any = None, pos: Optional[Dict[str, Any]] = None,
-        round_p: str = "normalized",
+        order: str = "torch",
     ) -> None:
         f32 = np.float32
 
         def rnd(x: np.ndarray) -> np.ndarray:
             return x.astype(dtype).astype(f32)
 
-        self.rnd = rnd
+        def srnd(x: np.ndarray) -> np.ndarray:  # scores: in the dtype (torch) or float32 (blockwise)
+            return rnd(x) if order == "torch" else x
+
+        self.rnd, self.order = rnd, order
         self.q, self.k, self.v = (np.asarray(x, dtype=f32) for x in (q, k, v))
         self.scale = f32(scale)
         # S = q k^T (float32 accumulation, stored in the dtype), then * scale.
-        S = rnd(np.matmul(self.q, np.swapaxes(self.k, -1, -2)))
-        S = rnd(S * self.scale)
+        S = srnd(np.matmul(self.q, np.swapaxes(self.k, -1, -2)))
+        S = srnd(S * self.scale)
         if bias is not None:
             # A bias of the input dtype keeps the scores in that dtype; a
             # float32 bias promotes them to float32 (torch's type promotion).
             with np.errstate(over="ignore"):
                 S = S + bias.astype(f32)
             if bias.dtype == dtype:
-                S = rnd(S)
+                S = srnd(S)
         # A score modifier: evaluated on the rounded scores, its result rounded once (its slope
         # kept, rounded, for the backward's dS).
         self.slope = None
         if smod is not None:
             with np.errstate(all="ignore"):
-                self.slope = rnd(np.broadcast_to(smod.derivative().evaluate(S.astype(np.float64), **pos),
-                                                 S.shape).astype(f32))
-                S = rnd(np.broadcast_to(smod.evaluate(S.astype(np.float64), **pos), S.shape).astype(f32))
+                self.slope = srnd(np.broadcast_to(smod.derivative().evaluate(S.astype(np.float64), **pos),
+                                                  S.shape).astype(f32))
+                S = srnd(np.broadcast_to(smod.evaluate(S.astype(np.float64), **pos), S.shape).astype(f32))
         S = np.where(allowed, S, f32(-np.inf))
         # Softmax in float32; a row that sees no key gets P = 0 and lse = -inf.
         m = np.max(S, axis=-1, initial=-np.inf)
@@ -627,10 +630,15 @@ class _LowpForward:
         self.P = E / l_safe[..., None]  # float32, as torch's softmax(dtype=float32)
         self.Pd = rnd(self.P)  # .to(dtype)
         self.lse = np.where(seen, m_safe + np.log(l_safe), f32(-np.inf)).astype(f32)
-        if round_p == "normalized":
+        if order == "torch":
             self.out = rnd(np.matmul(self.Pd, self.v))
-        else:  # the blockwise order: exp(S - m) rounded, products summed, divided by l at the end
+        else:  # exp(S - m) rounded, the products summed, divided by l at the end
             self.out = rnd(np.matmul(rnd(E), self.v) / l_safe[..., None])
+
+
+def _check_order(order: Any) -> None:
+    if order not in ("torch", "blockwise"):
+        raise ValueError(f"order must be 'torch' or 'blockwise', got {order!r}")
 
 
 def _lowp_dtype(q: Any, dtype: Any) -> np.dtype:
@@ -654,7 +662,7 @@ def lowp_reference_forward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Any = None,
-    round_p: str = "normalized",
+    order: str = "torch",
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Naive attention in a low-precision dtype, as plain torch operations compute it.
 
@@ -693,13 +701,15 @@ def lowp_reference_forward(
     dtype : str or dtype, optional
         ``'float16'`` or ``'bfloat16'`` (``'float32'`` gives a naive float32
         attention); default q's dtype.
-    round_p : {'normalized', 'unnormalized'}, optional
-        Which probabilities are rounded to ``dtype`` before ``p @ v``:
-        ``'normalized'`` (default) rounds ``softmax(s)`` as above;
-        ``'unnormalized'`` rounds ``exp(s - rowmax(s))`` and divides the
-        float32 product by the row sum afterwards, the order of blockwise
-        (flash) attention.  The two orders round different numbers, so on
-        small outputs one may be far luckier than the other.
+    order : {'torch', 'blockwise'}, optional
+        ``'torch'`` (default): the operations above.  ``'blockwise'``: the
+        order of fused (flash) kernels, in the same dtype: the scores stay
+        in float32 (``q @ k^T``, the scale, a bias and ``score_mod`` are not
+        rounded), ``exp(s - rowmax(s))`` is rounded to ``dtype`` for the
+        product with ``v``, and the float32 product is divided by the row
+        sum before the one rounding of ``out``.  The two orders round
+        different numbers: on large outputs their errors agree, on a
+        handful of elements one may be far luckier than the other.
 
     Returns
     -------
@@ -719,10 +729,9 @@ def lowp_reference_forward(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
     allowed, smod, pos = _with_mods(allowed, score_mod, mask_mod, mod_tensors)
-    if round_p not in ("normalized", "unnormalized"):
-        raise ValueError(f"round_p must be 'normalized' or 'unnormalized', got {round_p!r}")
+    _check_order(order)
     k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos, round_p)
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos, order)
     return fwd.out.astype(dt), fwd.lse
 
 
@@ -741,6 +750,7 @@ def lowp_reference_backward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Any = None,
+    order: str = "torch",
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of :func:`lowp_reference_forward`, as torch's autograd computes them.
 
@@ -760,11 +770,18 @@ def lowp_reference_backward(
     float32 output ``P``; it equals ``rowsum(dO * O)`` (what flash attention
     uses) in exact arithmetic.
 
+    With ``order='blockwise'``, the order of fused kernels: the scores and
+    ``P`` in float32 (see :func:`lowp_reference_forward`), ``D = rowsum(dO *
+    O)`` from the rounded output ``O``, ``dP = dO V^T`` and ``dS = P * (dP -
+    D)`` (times the modifier's slope) in float32, ``P`` and ``dS`` rounded
+    to ``dtype`` for their products, the scale applied to the float32 sums
+    of ``dQ`` and ``dK``.
+
     Parameters
     ----------
     dout : array, shape (B, H, Nq, D)
         Gradient with respect to ``out``, representable in ``dtype``.
-    q, k, v, scale, causal, window, mask, key_lengths, dtype, score_mod, mask_mod, mod_tensors
+    q, k, v, scale, causal, window, mask, key_lengths, dtype, score_mod, mask_mod, mod_tensors, order
         As in :func:`lowp_reference_forward`.
 
     Returns
@@ -784,19 +801,30 @@ def lowp_reference_backward(
         B, H, Nq, Nk, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
     )
     allowed, smod, pos = _with_mods(allowed, score_mod, mask_mod, mod_tensors)
+    _check_order(order)
     k_, v_ = repeat_kv_heads(k_, H, "k"), repeat_kv_heads(v_, H, "v")
-    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos)
+    fwd = _LowpForward(q_, k_, v_, dt, normalize_scale(scale, D), allowed, bias, smod, pos, order)
     rnd = fwd.rnd
     dO = np.asarray(to_host(dout), dtype=np.float32)
     dv = rnd(np.matmul(np.swapaxes(fwd.Pd, -1, -2), dO))
-    dP = rnd(np.matmul(dO, np.swapaxes(fwd.v, -1, -2)))
-    rows = np.sum(dP * fwd.P, axis=-1, dtype=np.float32)
-    dS = rnd(fwd.P * (dP - rows[..., None]))
-    if fwd.slope is not None:
-        dS = rnd(dS * np.where(fwd.P > 0, fwd.slope, np.float32(0)))
-    dS = rnd(dS * fwd.scale)
-    dq = rnd(np.matmul(dS, fwd.k))
-    dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
+    if order == "torch":
+        dP = rnd(np.matmul(dO, np.swapaxes(fwd.v, -1, -2)))
+        rows = np.sum(dP * fwd.P, axis=-1, dtype=np.float32)
+        dS = rnd(fwd.P * (dP - rows[..., None]))
+        if fwd.slope is not None:
+            dS = rnd(dS * np.where(fwd.P > 0, fwd.slope, np.float32(0)))
+        dS = rnd(dS * fwd.scale)
+        dq = rnd(np.matmul(dS, fwd.k))
+        dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q))
+    else:
+        dP = np.matmul(dO, np.swapaxes(fwd.v, -1, -2))
+        rows = np.sum(dO * fwd.out, axis=-1, dtype=np.float32)
+        dS = fwd.P * (dP - rows[..., None])
+        if fwd.slope is not None:
+            dS = dS * np.where(fwd.P > 0, fwd.slope, np.float32(0))
+        dS = rnd(dS)
+        dq = rnd(np.matmul(dS, fwd.k) * fwd.scale)
+        dk = rnd(np.matmul(np.swapaxes(dS, -1, -2), fwd.q) * fwd.scale)
     # Grouped K/V heads: the backward of repeating them sums each group (float32, rounded once).
     dk, dv = rnd(sum_kv_groups(dk, Hkv)), rnd(sum_kv_groups(dv, Hkv))
     return dq.astype(dt), dk.astype(dt), dv.astype(dt)

@@ -250,12 +250,12 @@ def test_block_masks_are_rectangles_and_unknown_patterns_are_refused() -> None:
 
 
 def test_the_two_rounding_orders_of_the_lowp_baseline() -> None:
-    """round_p='unnormalized' rounds exp(s - rowmax), sums, and divides by the row sum at the end;
-    the default rounds the normalized softmax.  On one output element of two opposite-signed terms
+    """order='blockwise' rounds exp(s - rowmax), sums, and divides by the row sum at the end;
+    torch's order rounds the normalized softmax.  On one output element of two opposite-signed terms
     the two orders land on different bfloat16 numbers, each as the rounding order says."""
     import ml_dtypes
 
-    from pycudaflash.testing import lowp_reference_forward
+    from pycudaflash.testing import lowp_reference_backward, lowp_reference_forward
 
     bf16 = ml_dtypes.bfloat16
     q = np.array([1.1171875], dtype=bf16).reshape(1, 1, 1, 1)
@@ -265,15 +265,17 @@ def test_the_two_rounding_orders_of_the_lowp_baseline() -> None:
     def rnd(x: np.ndarray) -> np.ndarray:
         return np.asarray(x, np.float32).astype(bf16).astype(np.float32)
 
-    s = rnd(rnd(q.astype(np.float32)[0, 0, 0, 0] * k.astype(np.float32).ravel()) * np.float32(0.5))
-    e = np.exp(s - s.max())
-    l = e.sum(dtype=np.float32)
-    normalized = rnd(np.dot(rnd(e / l), v.astype(np.float32).ravel()))
-    blockwise = rnd(np.dot(rnd(e), v.astype(np.float32).ravel()) / l)
+    s = q.astype(np.float32)[0, 0, 0, 0] * k.astype(np.float32).ravel() * np.float32(0.5)
+    e = np.exp(rnd(s) - rnd(s).max())  # torch: scores rounded to the dtype
+    normalized = rnd(np.dot(rnd(e / e.sum(dtype=np.float32)), v.astype(np.float32).ravel()))
+    e = np.exp(s - s.max())  # blockwise: scores in float32
+    blockwise = rnd(np.dot(rnd(e), v.astype(np.float32).ravel()) / e.sum(dtype=np.float32))
     assert normalized != blockwise
     got_n, _ = lowp_reference_forward(q, k, v, scale=0.5)
-    got_b, _ = lowp_reference_forward(q, k, v, scale=0.5, round_p="unnormalized")
+    got_b, _ = lowp_reference_forward(q, k, v, scale=0.5, order="blockwise")
     assert float(got_n.ravel()[0]) == float(normalized)
     assert float(got_b.ravel()[0]) == float(blockwise)
-    with pytest.raises(ValueError, match="round_p"):
-        lowp_reference_forward(q, k, v, scale=0.5, round_p="both")
+    with pytest.raises(ValueError, match="order"):
+        lowp_reference_forward(q, k, v, scale=0.5, order="both")
+    with pytest.raises(ValueError, match="order"):
+        lowp_reference_backward(q, q, k, v, scale=0.5, order="kernel")

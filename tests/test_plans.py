@@ -239,6 +239,9 @@ _MAP_SOURCES = [
     ("mask_mod", ("keep[h, j]", {"keep": np.ones((4, 70), bool)}), (1, 4)),
     ("mask_mod", ("(i // 8) != (j // 8)", {}), (1, 1)),
     ("mask_mod", ("tab[b, h, i] >= j", {"tab": np.zeros((2, 4, 33), np.int32)}), (2, 4)),
+    ("both", ((2, 1, 33, 70), "keep[h, j]", {"keep": np.ones((4, 70), bool)}), (2, 4)),
+    ("both", ((33, 70), "(i // 8) != (j // 8)", {}), (1, 1)),
+    ("both", ((1, 4, 33, 70), "doc[b, i] == doc[b, j]", {"doc": np.zeros((2, 70), np.int32)}), (2, 4)),
 ]
 
 
@@ -246,11 +249,12 @@ _MAP_SOURCES = [
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, source: str, what: tuple,
                                              planes: tuple, deterministic: bool) -> None:
-    """A bool mask, or without one a mask modifier, gets one block map a tile shape of the
-    kernels that read it, built first (flash_tile_map / flash_mod_tile_map: grid (tiles, heads of
-    the map, batch elements of the map), its tile sizes passed), each in its own workspace region
-    of one byte a tile and plane, and the reader's tmap points there.  A map has a plane per
-    batch element and head that the mask does not broadcast over, or that the modifier reads."""
+    """A bool mask, a mask modifier, or both together get one block map a tile shape of the
+    kernels that read it, built first (flash_tile_map with a bool mask, else flash_mod_tile_map:
+    grid (tiles, heads of the map, batch elements of the map), its tile sizes passed), each in its
+    own workspace region of one byte a tile and plane, and the reader's tmap points there.  A map
+    has a plane per batch element and head that the mask does not broadcast over or that the
+    modifier reads."""
     from pycudaflash import cuda_backend
     from pycudaflash.mods import mask_mod
 
@@ -259,13 +263,17 @@ def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, so
          for n in ("q", "k", "v", "dout", "out")}
     if source == "mask":
         kw, mods, kind, builder = dict(mask=np.ones(what, bool)), (None, None), "bool", "flash_tile_map"
-    else:
+    elif source == "mask_mod":
         kw = dict(mask_mod=what[0], mod_tensors=what[1] or None)
         mods, kind, builder = (None, mask_mod(*what)), "none", "flash_mod_tile_map"
+    else:
+        kw = dict(mask=np.ones(what[0], bool), mask_mod=what[1], mod_tensors=what[2] or None)
+        mods, kind, builder = (None, mask_mod(*what[1:])), "bool", "flash_tile_map"
+        what = what[1:]
     fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, kind, "float16", "sm_80", mods=mods),
                         {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
                          "flash_bwd_dq_kernel": (128, 64)})
-    fake.mod_names = tuple(sorted(what[1])) if source == "mask_mod" else ()
+    fake.mod_names = tuple(sorted(what[1])) if source != "mask" else ()
     monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
     monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
     prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32),
@@ -289,7 +297,7 @@ def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, so
         assert sizes == {"Nq": Nq, "Nk": Nk, "br": br, "bc": bc}
         brefs = {bparams.pointers[i]: (src, off) for i, src, off in built.refs}
         assert brefs["tmap"][0] == P.WS
-        if source == "mask":
+        if source != "mask_mod":
             assert brefs["mask"] == (P.M, 0)
         kernel = next(k for k in plan.kernels if k.name == reader)
         rptr = compiler.kernel_params("bwd_f16", reader).pointers
