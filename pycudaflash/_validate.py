@@ -143,7 +143,7 @@ def validate_forward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=False, opaque_dtype=explicit,
-        mods=(score_mod, mask_mod, mod_tensors),
+        mods=(score_mod, mask_mod, mod_tensors), outputs=("out", "lse"),
     )
 
 
@@ -228,7 +228,7 @@ def validate_backward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=deterministic, opaque_dtype=explicit,
-        mods=(score_mod, mask_mod, mod_tensors),
+        mods=(score_mod, mask_mod, mod_tensors), outputs=("dq", "dk", "dv"),
     )
 
 
@@ -485,8 +485,10 @@ def _make_problem(
     deterministic: Any,
     opaque_dtype: Optional[np.dtype] = None,
     mods: Tuple[Any, Any, Any] = (None, None, None),
+    outputs: Sequence[str] = (),
 ) -> Problem:
-    """Check the non-array options and assemble the :class:`Problem`."""
+    """Check the non-array options and assemble the :class:`Problem` (``outputs``: the
+    call's output buffers, which no modifier tensor may overlap)."""
     causal_mode = semantics.normalize_causal(causal)
     left, right = semantics.normalize_window(window)
     scale_value = _normalize_scale(scale, dims.D)
@@ -495,6 +497,7 @@ def _make_problem(
     lengths = _check_key_lengths(key_lengths, dims, opaque_dtype)
     q = ops["q"]
     score_mod, mask_mod, tensors = _check_mods(*mods, on_device=q.on_device)
+    _check_mod_tensors_apart(ops, outputs, tensors)
     return Problem(
         B=dims.B, H=dims.H, Nq=dims.Nq, Nk=dims.Nk, D=dims.D, dtype=dtype,
         scale=scale_value, causal=causal_mode, window_left=left, window_right=right,
@@ -525,13 +528,13 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
         if getattr(t, "__cuda_array_interface__", None) is not None or getattr(t, "is_cuda", False):
             if not on_device:
                 raise TypeError(f"mod_tensors[{name!r}] is a device array but q, k and v are host arrays")
-            described[name], tensors[name] = t, _device_mod_tensor(name, t)
+            described[name] = tensors[name] = _device_mod_tensor(name, t)
         else:
             a = np.asarray(t)
             described[name] = a
             tensors[name] = kernel_array(name, a) if on_device else a
-        if any(int(n) < 1 for n in np.shape(described[name])):
-            raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(np.shape(described[name]))}")
+        if any(int(n) < 1 for n in described[name].shape):
+            raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(described[name].shape)}")
     out = []
     for m, role in ((score_mod, "score"), (mask_mod, "mask")):
         if m is None:
@@ -553,6 +556,20 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
         else:
             raise TypeError(f"{role}_mod must be a string expression or a Modifier, got {type(m).__name__}")
     return out[0], out[1], tensors
+
+
+def _check_mod_tensors_apart(ops: Dict[str, Optional[Operand]], outputs: Sequence[str],
+                             tensors: Optional[dict]) -> None:
+    """No output buffer may share memory with a modifier tensor (an input like the others)."""
+    for name, t in (tensors or {}).items():
+        for op in _present(ops, outputs):
+            if isinstance(t, Operand):
+                hit = overlaps(op, t)
+            else:
+                hit = op.kind == "host" and bool(np.shares_memory(op.array, t, max_work=100_000))
+            if hit:
+                raise ValueError(f"output buffer {op.name} overlaps mod_tensors[{name!r}]: outputs must not share "
+                                 "memory with the inputs or with each other")
 
 
 #: Element type of each kind of modifier tensor in the kernels (pycudaflash.mods.tensor_kind).

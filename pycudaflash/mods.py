@@ -410,7 +410,8 @@ def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tu
 
 
 def tensor_signature(name: str, t: Any) -> Tuple[Kind, int]:
-    """(element kind, dimensions) of a numpy, torch or cupy array, or of anything numpy converts."""
+    """(element kind, dimensions) of a numpy, torch or cupy array, a device operand
+    (``pycudaflash._problem.Operand``), or anything numpy converts."""
     dtype = getattr(t, "dtype", None)
     if dtype is not None and str(dtype).startswith("torch."):
         dtype = {"torch.bool": np.bool_, "torch.bfloat16": np.float32}.get(str(dtype), str(dtype)[6:])
@@ -418,6 +419,8 @@ def tensor_signature(name: str, t: Any) -> Tuple[Kind, int]:
         t = np.asarray(t)
         dtype = t.dtype
     ndim = getattr(t, "ndim", None)
+    if ndim is None and isinstance(getattr(t, "shape", None), tuple):
+        ndim = len(t.shape)
     if ndim is None or not 1 <= int(ndim) <= 4:
         raise ValueError(f"mod_tensors: {name!r} must have 1 to 4 dimensions")
     return tensor_kind(dtype), int(ndim)

@@ -531,3 +531,31 @@ def test_script_with_autograd_and_threads_exits_cleanly(tmp_path: Any) -> None:
     assert worker in ("[0]", "[1]"), f"the worker thread was left with contexts stacked: {worker}"
     for text in ("context", "Context", "PyCUDA ERROR", "Warning"):
         assert text not in proc.stderr, proc.stderr
+
+
+def test_output_overlapping_a_modifier_tensor_is_rejected() -> None:
+    """Modifier tensors are inputs: an output buffer that shares their memory raises, host
+    (numpy backend) and device (by address, before any launch)."""
+    from pycudaflash._validate import validate_backward, validate_forward
+    from test_validation import FakeDeviceArray
+
+    q, k, v = (_host(B, H, N, D) for _ in range(3))
+    out = np.empty_like(q)
+    bias = out.reshape(-1)[:N]  # the first row of out, read by the modifier
+    with pytest.raises(ValueError, match=r"output buffer out overlaps mod_tensors\['bias'\]"):
+        flash_attn_forward(q, k, v, out=out, score_mod="score + bias[j]", mod_tensors=dict(bias=bias),
+                           backend="numpy")
+    fq, fk, fv, fdo, fo = (FakeDeviceArray((B, H, N, D)) for _ in range(5))
+    lse = FakeDeviceArray((B, H, N))
+    inside = FakeDeviceArray((N,), np.float32)
+    inside.__cuda_array_interface__["data"] = (fo.ptr + 4 * D, False)  # row 0 of out, from column D
+    with pytest.raises(ValueError, match=r"output buffer out overlaps mod_tensors\['bias'\]"):
+        validate_forward(fq, fk, fv, out=fo, lse=lse, score_mod="score + bias[j]", mod_tensors=dict(bias=inside))
+    dk = FakeDeviceArray((B, H, N, D))
+    inside.__cuda_array_interface__["data"] = (dk.ptr, False)
+    with pytest.raises(ValueError, match=r"output buffer dk overlaps mod_tensors\['bias'\]"):
+        validate_backward(fdo, fq, fk, fv, fo, lse, dk=dk, score_mod="score + bias[j]",
+                          mod_tensors=dict(bias=inside))
+    apart = FakeDeviceArray((N,), np.float32)
+    validate_forward(fq, fk, fv, out=fo, lse=lse, score_mod="score + bias[j]", mod_tensors=dict(bias=apart))
+
