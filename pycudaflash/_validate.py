@@ -535,6 +535,13 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
             tensors[name] = kernel_array(name, a) if on_device else a
         if any(int(n) < 1 for n in described[name].shape):
             raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(described[name].shape)}")
+        if on_device:
+            t = tensors[name]
+            shape, strides = (t.shape, t.strides) if isinstance(t, Operand) else (t.shape, (1,) * t.ndim)
+            span = 1 + sum((int(n) - 1) * int(st) for n, st in zip(shape, strides))
+            if span > MOD_SPAN_MAX:
+                raise ValueError(f"mod_tensors[{name!r}] spans {span} elements; the kernels address a modifier "
+                                 f"tensor with 32-bit offsets (at most {MOD_SPAN_MAX} elements)")
     out = []
     for m, role in ((score_mod, "score"), (mask_mod, "mask")):
         if m is None:
@@ -556,6 +563,10 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
         else:
             raise TypeError(f"{role}_mod must be a string expression or a Modifier, got {type(m).__name__}")
     return out[0], out[1], tensors
+
+
+#: Elements a device modifier tensor may span (the kernels' offsets are 32-bit ints).
+MOD_SPAN_MAX = 2**31 - 1
 
 
 def _check_mod_tensors_apart(ops: Dict[str, Optional[Operand]], outputs: Sequence[str],

@@ -199,6 +199,10 @@ class Tiles:
     # (batch, head) pairs per group of the persistent forward's job order
     # (jobs of a group in tile-rank order, longest first); 0: chosen per call
     fwd90_group: int = 0
+    # the Hopper forward with a modifier's code (which needs registers per
+    # score): keys per step (at most fwd90_bc) and whether its blocks persist
+    fwd90_mods_bc: int = 64
+    fwd90_mods_persist: int = 0
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
 
@@ -394,9 +398,8 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # registers with a dense mask's addressing: one job a block there)
         out["FWD_PERSIST"] = int(t.fwd90_persist > 0 and not (groups and dense))
         if MOD_CODE in out:
-            # (a modifier's code per score needs registers too: 64 keys a step,
-            # one job a block)
-            out["BC"], out["FWD_PERSIST"] = min(out["BC"], 64), 0
+            out["BC"] = min(out["BC"], t.fwd90_mods_bc)
+            out["FWD_PERSIST"] = int(out["FWD_PERSIST"] and t.fwd90_mods_persist > 0)
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"

@@ -618,9 +618,18 @@ struct ModTensors {{
     unsigned long long data[{MAX_TENSORS}];
     long long size[{MAX_TENSORS}][{MAX_DIMS}], stride[{MAX_TENSORS}][{MAX_DIMS}];
 }};
-// An index clamped into [0, n) times its stride.
-__device__ __forceinline__ long long mod_at(long long x, long long n, long long stride) {{
-    return (x < 0 ? 0 : (x >= n ? n - 1 : x)) * stride;
+// An index clamped into [0, n) times its stride: an element offset, in 32
+// bits (a tensor spans fewer than 2^31 elements, which the launch code checks).
+__device__ __forceinline__ int mod_at(int x, long long n, long long stride) {{
+    return min(max(x, 0), (int)n - 1) * (int)stride;
+}}
+__device__ __forceinline__ int mod_at(long long x, long long n, long long stride) {{
+    return (int)(x < 0 ? 0 : (x >= n ? n - 1 : x)) * (int)stride;
+}}
+// A tensor element through the read-only data cache (no kernel writes them).
+template <typename T>
+__device__ __forceinline__ T mod_load(unsigned long long data, int off) {{
+    return __ldg((const T *)data + off);
 }}
 // Python's // and % on ints (rounding down); a zero divisor gives 0.
 __device__ __forceinline__ long long mod_floordiv(long long a, long long b) {{
@@ -708,13 +717,11 @@ def _cuda(n: Node, slots: Dict[str, int]) -> str:
         return "score" if n.name == SCORE else n.name
     if isinstance(n, Load):
         k = slots[n.tensor]
-        off = " + ".join(f"mod_at({_as('long long', x, slots)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
+        off = " + ".join(f"mod_at({_cuda(x, slots)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
                          for d, x in enumerate(n.index))
-        if n.kind == "float":
-            return f"((const float *)mods.data[{k}])[{off}]"
-        if n.kind == "int":
-            return f"((const int *)mods.data[{k}])[{off}]"
-        return f"(((const unsigned char *)mods.data[{k}])[{off}] != 0)"
+        ctype = {"float": "float", "int": "int"}.get(n.kind, "unsigned char")
+        load = f"mod_load<{ctype}>(mods.data[{k}], {off})"
+        return load if n.kind != "bool" else f"({load} != 0)"
     if isinstance(n, Unary):
         return f"(-{_as(_ctype(n), n.x, slots)})" if n.op == "-" else f"(!{_cuda(n.x, slots)})"
     if isinstance(n, Bin):

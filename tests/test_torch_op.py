@@ -559,3 +559,20 @@ def test_output_overlapping_a_modifier_tensor_is_rejected() -> None:
     apart = FakeDeviceArray((N,), np.float32)
     validate_forward(fq, fk, fv, out=fo, lse=lse, score_mod="score + bias[j]", mod_tensors=dict(bias=apart))
 
+
+def test_a_modifier_tensor_past_32_bit_offsets_is_rejected() -> None:
+    """The kernels address modifier tensors with 32-bit element offsets: a device tensor spanning
+    2**31 elements or more raises before any launch; one just below passes."""
+    from pycudaflash._validate import MOD_SPAN_MAX, validate_forward
+    from test_validation import FakeDeviceArray
+
+    q, k, v = (FakeDeviceArray((B, H, N, D)) for _ in range(3))
+    for span, ok in ((MOD_SPAN_MAX, True), (MOD_SPAN_MAX + 1, False)):
+        # two elements, the second span - 1 elements after the first (a strided view)
+        table = FakeDeviceArray((2,), np.int32, strides=(span - 1,))
+        call = lambda: validate_forward(q, k, v, mask_mod="table[i % 2] >= 0", mod_tensors=dict(table=table))
+        if ok:
+            call()
+        else:
+            with pytest.raises(ValueError, match=f"spans {span} elements"):
+                call()
