@@ -202,7 +202,7 @@ class Tiles:
     # the Hopper forward with a modifier's code (which needs registers per
     # score): keys per step (at most fwd90_bc) and whether its blocks persist
     fwd90_mods_bc: int = 64
-    fwd90_mods_persist: int = 0
+    fwd90_mods_persist: int = 1
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
 
