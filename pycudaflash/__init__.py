@@ -3,6 +3,7 @@
 from ._backends import available_backends, cuda_status
 from ._driver import CudaError, Graph, capture
 from ._calls import clear as clear_plans
+from .blockmap import BlockMap
 from .api import PreparedCall, flash_attn_backward, flash_attn_forward, prepare_backward, prepare_forward
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "prepare_forward",
     "prepare_backward",
     "PreparedCall",
+    "BlockMap",
     "clear_plans",
     "capture",
     "Graph",

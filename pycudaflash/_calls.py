@@ -68,12 +68,13 @@ def host_key_lengths(key_lengths: Any, plan: Any) -> Optional[np.ndarray]:
     return _validate.host_key_lengths(key_lengths, plan.dims[0], plan.dims[3])
 
 
-def mods_key(score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None) -> Any:
+def mods_key(score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = None, block_map: Any = None) -> Any:
     """The modifiers of a call in a signature: their text (a Modifier's text, role and tensor
-    signature, which decide its translation) and each tensor's layout (a device tensor's
-    metadata, or a host one's shape and dtype); None without modifiers, and a key that no other
-    call shares where they are of other kinds (validation then words the error)."""
-    if score_mod is None and mask_mod is None and mod_tensors is None:
+    signature, which decide its translation), each tensor's layout (a device tensor's
+    metadata, or a host one's shape and dtype) and whether a BlockMap holds the block maps
+    (its mask and modifier already merged into the others); None without any, and a key that no
+    other call shares where they are of other kinds (validation then words the error)."""
+    if score_mod is None and mask_mod is None and mod_tensors is None and block_map is None:
         return None
     from .mods import Modifier
 
@@ -91,7 +92,7 @@ def mods_key(score_mod: Any = None, mask_mod: Any = None, mod_tensors: Any = Non
     for name, t in sorted((mod_tensors or {}).items(), key=lambda item: str(item[0])):
         d = describe(t)
         tensors.append((name, d[0] if d is not None else ("host", tuple(np.shape(t)), str(getattr(t, "dtype", "")))))
-    key = (*texts, tuple(tensors))
+    key = (*texts, tuple(tensors), block_map is not None)
     try:
         hash(key)
     except TypeError:

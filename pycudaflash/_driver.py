@@ -37,6 +37,7 @@ __all__ = [
     "alloc_async",
     "free_async",
     "mem_alloc",
+    "mem_free",
     "is_capturing",
     "Graph",
     "capture",
@@ -320,6 +321,11 @@ def free_async(ptr: int, stream: int) -> None:
 def mem_alloc(nbytes: int) -> int:
     """``cuMemAlloc`` in the current context (never freed by the caller's stream order)."""
     return int(check("cuMemAlloc", max(int(nbytes), 4)))
+
+
+def mem_free(ptr: int) -> None:
+    """``cuMemFree`` of a :func:`mem_alloc` allocation (in its context, made current by the caller)."""
+    check("cuMemFree", ptr)
 
 
 def memcpy_htod_async(dst: int, src_address: int, nbytes: int, stream: int) -> None:

@@ -88,6 +88,7 @@ class Problem:
     score_mod: Any = None
     mask_mod: Any = None
     mod_tensors: Optional[dict] = None
+    block_map: Any = None  # a device call's pycudaflash.BlockMap (holding the block maps), or None
 
     @property
     def plain(self) -> bool:

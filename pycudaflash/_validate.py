@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence,
 
 import numpy as np
 
-from . import semantics
+from . import blockmap, semantics
 from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only, overlaps
 from ._problem import Operand, Problem
 
@@ -101,6 +101,7 @@ def validate_forward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Any = None,
+    block_map: Any = None,
 ) -> Problem:
     """Check the arguments of a forward call and describe it as a :class:`Problem`.
 
@@ -129,6 +130,7 @@ def validate_forward(
     ValueError
         Bad shapes, layouts, alignments or argument values.
     """
+    mask, mask_mod, mod_tensors = blockmap.call_args(block_map, mask, mask_mod, mod_tensors)
     explicit = _explicit_dtype(dtype)
     ops = _operands(q=q, k=k, v=v, out=out, lse=lse, mask=mask, opaque_dtype=explicit)
     _check_same_kind(ops)
@@ -143,7 +145,7 @@ def validate_forward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=False, opaque_dtype=explicit,
-        mods=(score_mod, mask_mod, mod_tensors), outputs=("out", "lse"),
+        mods=(score_mod, mask_mod, mod_tensors), outputs=("out", "lse"), block_map=block_map,
     )
 
 
@@ -168,6 +170,7 @@ def validate_backward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Any = None,
+    block_map: Any = None,
 ) -> Problem:
     """Check the arguments of a backward call and describe it as a :class:`Problem`.
 
@@ -206,6 +209,7 @@ def validate_backward(
     ValueError
         Bad shapes, layouts, alignments or argument values.
     """
+    mask, mask_mod, mod_tensors = blockmap.call_args(block_map, mask, mask_mod, mod_tensors)
     explicit = _explicit_dtype(dtype)
     ops = _operands(
         dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, mask=mask,
@@ -228,7 +232,7 @@ def validate_backward(
     return _make_problem(
         ops, dims, dtype, causal=causal, window=window, scale=scale,
         key_lengths=key_lengths, deterministic=deterministic, opaque_dtype=explicit,
-        mods=(score_mod, mask_mod, mod_tensors), outputs=("dq", "dk", "dv"),
+        mods=(score_mod, mask_mod, mod_tensors), outputs=("dq", "dk", "dv"), block_map=block_map,
     )
 
 
@@ -486,6 +490,7 @@ def _make_problem(
     opaque_dtype: Optional[np.dtype] = None,
     mods: Tuple[Any, Any, Any] = (None, None, None),
     outputs: Sequence[str] = (),
+    block_map: Any = None,
 ) -> Problem:
     """Check the non-array options and assemble the :class:`Problem` (``outputs``: the
     call's output buffers, which no modifier tensor may overlap)."""
@@ -506,7 +511,7 @@ def _make_problem(
         out=ops.get("out"), lse=ops.get("lse"), mask=mask_op, mask_kind=mask_kind,
         key_lengths=lengths, dout=ops.get("dout"), dq=ops.get("dq"), dk=ops.get("dk"),
         dv=ops.get("dv"), deterministic=deterministic, Hkv=dims.Hkv, score_mod=score_mod,
-        mask_mod=mask_mod, mod_tensors=tensors,
+        mask_mod=mask_mod, mod_tensors=tensors, block_map=block_map if q.on_device else None,
     )
 
 

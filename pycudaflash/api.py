@@ -21,9 +21,10 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import _calls, _driver, _validate, cpu
+from . import _calls, _driver, _validate, blockmap, cpu
 from ._arrays import is_torch_cpu, torch_cpu_call
 from ._backends import choose_backend
+from .blockmap import BlockMap
 
 ArrayLike = Any
 #: A dtype name ('float32', 'float16', 'bfloat16'), a numpy dtype or scalar
@@ -49,6 +50,7 @@ def flash_attn_forward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Optional[Mapping[str, Any]] = None,
+    block_map: Optional[BlockMap] = None,
 ) -> Tuple[ArrayLike, ArrayLike]:
     """Attention forward pass, ``out = softmax(scale * q k^T + bias) v``.
 
@@ -103,7 +105,12 @@ def flash_attn_forward(
         each scaled (and biased) score, the mask modifier excludes where it
         is False.
     mod_tensors : mapping of str to array, optional
-        The host arrays the modifiers read by name.
+        The arrays the modifiers read by name.
+    block_map : pycudaflash.BlockMap, optional
+        A bool mask and/or mask modifier with block maps kept on the GPU
+        (:class:`pycudaflash.BlockMap`): the call takes its mask, mask_mod
+        and their tensors from it (and none of its own) and builds no block
+        map where the BlockMap holds one of its tile shape.
 
     Returns
     -------
@@ -113,6 +120,7 @@ def flash_attn_forward(
         Natural-log log-sum-exp of each row's scores; ``-inf`` for a row that
         sees no key (its ``out`` row is 0).
     """
+    mask, mask_mod, mod_tensors = blockmap.call_args(block_map, mask, mask_mod, mod_tensors)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors)
     if is_torch_cpu(q):
         return torch_cpu_call(
@@ -123,7 +131,7 @@ def flash_attn_forward(
     return _run("fwd", (q, k, v, out, lse, mask), (causal, window, scale, backend, dtype), key_lengths, stream,
                 backend, lambda: _validate.validate_forward(
                     q, k, v, causal=causal, window=window, mask=mask, key_lengths=key_lengths,
-                    scale=scale, out=out, lse=lse, dtype=dtype, **mods), mods)
+                    scale=scale, out=out, lse=lse, dtype=dtype, block_map=block_map, **mods), mods, block_map)
 
 
 def flash_attn_backward(
@@ -149,6 +157,7 @@ def flash_attn_backward(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Optional[Mapping[str, Any]] = None,
+    block_map: Optional[BlockMap] = None,
 ) -> Tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Attention backward pass from the forward's ``out`` and ``lse``.
 
@@ -158,7 +167,7 @@ def flash_attn_backward(
         Gradient of the loss with respect to ``out``.
     q, k, v, out, lse
         The forward pass's inputs and results (``lse`` float32, natural log).
-    causal, window, mask, key_lengths, scale, score_mod, mask_mod, mod_tensors
+    causal, window, mask, key_lengths, scale, score_mod, mask_mod, mod_tensors, block_map
         As in :func:`flash_attn_forward`; they must match the forward call.
         The gradient through ``score_mod`` is its derivative with respect to
         the score, derived from the expression.
@@ -183,6 +192,7 @@ def flash_attn_backward(
         give zero gradients; with fewer K/V heads than query heads, dk and
         dv sum the gradients of each group.
     """
+    mask, mask_mod, mod_tensors = blockmap.call_args(block_map, mask, mask_mod, mod_tensors)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors)
     if is_torch_cpu(q):
         return torch_cpu_call(
@@ -196,19 +206,21 @@ def flash_attn_backward(
                 lambda: _validate.validate_backward(
                     dout, q, k, v, out, lse, causal=causal, window=window, mask=mask,
                     key_lengths=key_lengths, scale=scale, deterministic=deterministic,
-                    dq=dq, dk=dk, dv=dv, dtype=dtype, **mods), mods)
+                    dq=dq, dk=dk, dv=dv, dtype=dtype, block_map=block_map, **mods), mods, block_map)
 
 
 def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengths: Any, stream: Any,
-         backend: Optional[str], validate: Callable[[], Any], mods: Dict[str, Any]) -> Tuple[Any, ...]:
+         backend: Optional[str], validate: Callable[[], Any], mods: Dict[str, Any],
+         block_map: Optional[BlockMap] = None) -> Tuple[Any, ...]:
     """A pass of the plain API: a repeated call of a planned signature launches at once (outputs
     allocated or checked for overlap by address range); any other is validated, then run.
 
     ``arrays``: the pass's operands in the order of ``cuda_backend.OPERANDS[kind]`` (None where
-    absent); ``validate()`` returns the call's Problem; ``mods``: the modifier arguments.
+    absent); ``validate()`` returns the call's Problem; ``mods``: the modifier arguments (with
+    those of ``block_map``).
     """
-    sig = None if backend == "numpy" else _calls.signature(kind, arrays, options + (_calls.mods_key(**mods),),
-                                                           key_lengths)
+    sig = None if backend == "numpy" else _calls.signature(
+        kind, arrays, options + (_calls.mods_key(**mods, block_map=block_map),), key_lengths)
     if sig is not None:
         key, ptrs, ctx, pushed = sig
         try:
@@ -221,7 +233,8 @@ def _run(kind: str, arrays: Tuple[Any, ...], options: Tuple[Any, ...], key_lengt
                         or _calls.outputs_disjoint(ptrs, spans, plan.OUTPUTS)):
                     return cuda_backend.launch(plan, ctx, device, cuda_backend.stream_for(stream, arrays[0]), ptrs,
                                                arrays, kl_host=_calls.host_key_lengths(key_lengths, plan),
-                                               mods=_calls.mod_values(plan, mods["mod_tensors"]))
+                                               mods=_calls.mod_values(plan, mods["mod_tensors"]),
+                                               block_map=block_map)
         finally:
             _driver.leave(pushed)
     prob = validate()

@@ -42,6 +42,8 @@ from ._streams import default_stream, stream_handle
 from .semantics import BAND_UNBOUNDED
 
 MAX_GRID_YZ = 65535
+#: Tile shapes of block maps one pass reads at most (the backward's dK/dV and dQ kernels).
+MAX_MAP_SHAPES = 2
 MAX_JOBS = 2**31 - 1 - 2**20  # job indices (int32) stay below 2**31 with a grid of up to 2**20 blocks
 LOG2E = 1.4426950408889634
 _ALIGN = 256  # alignment of each region of a workspace
@@ -515,6 +517,9 @@ class _Plan:
     MOD0: int  # value slot of the first modifier tensor (after the pass's own slots)
     mod_names: Tuple[str, ...]  # the modifiers' tensors, in their slots
     mod_offsets: Tuple[int, ...]  # workspace offset of each one given on the host (-1: on the device)
+    MAP0: int  # value slot of the first block map a BlockMap holds (after the modifiers' slots)
+    map_specs: List[Tuple[Any, ...]]  # those maps: (builder, br, bc, planes_b, planes_h, bytes), in their slots
+    map_builders: List[_Kernel]  # the launch that builds each one
 
     def _describe(self, prob: Problem, kind: str) -> None:
         self.shapes, self.dtype = _output_shapes(prob, kind), prob.dtype
@@ -533,6 +538,9 @@ class _Plan:
         self._lock = threading.Lock()
         self.mod_names, self.MOD0 = var.mod_names, self.N_VALS
         self.N_VALS = self.MOD0 + len(self.mod_names)
+        # (a BlockMap's maps: one slot for each tile shape of the pass's kernels)
+        self.MAP0, self.map_specs, self.map_builders = self.N_VALS, [], []
+        self.N_VALS += MAX_MAP_SHAPES if prob.block_map is not None else 0
         self.pointers = _Pointers(self.N_VALS)
         self._sizes = dict(Nq=prob.Nq, Nk=prob.Nk, D=prob.D)
         self._describe(prob, kind)
@@ -587,7 +595,9 @@ class _Plan:
         mask, of the mask modifier (``flash_mod_tile_map``).  A map has a plane per batch
         element and head, one for a dimension that the bool mask broadcasts over (a zero
         stride of ``mask_strides``, as the kernels read it) and the mask modifier does not
-        read (``map_plane`` in flash_common.cuh)."""
+        read (``map_plane`` in flash_common.cuh).  With a BlockMap the maps are its memory
+        (value slots from MAP0, :attr:`map_specs`) and their launches run only where it has
+        not built them yet (:attr:`map_builders`, :func:`launch_plan`)."""
         refs: Dict[str, Any] = {name: 0 for name in readers}
         mod = prob.mask_mod
         per_b, per_h = (mod.reads("b"), mod.reads("h")) if mod is not None else (False, False)
@@ -605,9 +615,17 @@ class _Plan:
             br, bc = var.map_tile(name)
             if (br, bc) not in built:
                 tiles = -(-prob.Nq // br) * -(-prob.Nk // bc)
-                built[br, bc] = ref = _Ref(self.WS, ws.region(tiles * planes_h * planes_b))
-                launches.append(self._kernel(var, builder, (tiles, planes_h, planes_b), **inputs, tmap=ref,
-                                             br=br, bc=bc))
+                nbytes = tiles * planes_h * planes_b
+                if prob.block_map is not None:
+                    if len(self.map_specs) == MAX_MAP_SHAPES:
+                        raise ValueError(f"more than {MAX_MAP_SHAPES} block-map tile shapes in one pass")
+                    ref = _Ref(self.MAP0 + len(self.map_specs))
+                    self.map_specs.append((builder, br, bc, planes_b, planes_h, nbytes))
+                else:
+                    ref = _Ref(self.WS, ws.region(nbytes))
+                build = self._kernel(var, builder, (tiles, planes_h, planes_b), **inputs, tmap=ref, br=br, bc=bc)
+                (self.map_builders if prob.block_map is not None else launches).append(build)
+                built[br, bc] = ref
             refs[name] = built[br, bc]
         return refs, launches
 
@@ -617,14 +635,17 @@ class _Plan:
         self.ws_bytes = ws.nbytes
         self.pass_ = pass_
 
-    def launch(self, vals: List[int], ctx: int, stream: int) -> None:
-        """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place)."""
+    def launch(self, vals: List[int], ctx: int, stream: int, builds: Sequence[int] = ()) -> None:
+        """Launch every kernel with the pointers ``vals`` (workspace and key lengths already in place),
+        first the builds of the BlockMap's maps ``builds`` (indices of :attr:`map_specs`)."""
         if self.counter:
             vals[self.CNT] = _job_counter(ctx, stream)
         with self._lock:  # (the pointer slots are the plan's: one call at a time)
             self.pointers.fill(vals)
             if self._mod_data is not None:  # (the modifiers' tensors: addresses in the struct)
-                self._mod_data[:len(self.mod_names)] = vals[self.MOD0:]
+                self._mod_data[:len(self.mod_names)] = vals[self.MOD0:self.MOD0 + len(self.mod_names)]
+            for k in builds:
+                self.map_builders[k].launch(stream)
             for launch in self._launches:
                 launch(stream)
 
@@ -632,8 +653,8 @@ class _Plan:
         """The plan as int64 words for the C++ host path (``pycudaflash/csrc/torch_ops.cpp``, which
         documents the layout), its job counter that of ``stream``.  Plans with modifiers, whose
         struct holds a call's tensor addresses, and host key lengths stay with :meth:`launch`."""
-        if self.mod_names:
-            raise ValueError("a plan with modifier tensors cannot be exported")
+        if self.mod_names or self.map_specs:
+            raise ValueError("a plan with modifier tensors or a BlockMap's maps cannot be exported")
         counter = 0
         if self.counter:
             _, pushed = _driver.enter(_driver.context_device(ctx))
@@ -837,9 +858,9 @@ def _torch_current(obj: Any, stream: int) -> Any:
 
 
 def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl_host: Optional[np.ndarray],
-            like: Any, workspace: int = 0, mod_values: Sequence[Any] = ()) -> None:
+            like: Any, workspace: int = 0, mod_values: Sequence[Any] = (), block_map: Any = None) -> None:
     """Run ``plan`` with ``vals`` on ``stream``: a workspace for the call, the key lengths, the
-    modifiers' tensors (:func:`mod_values`), the launches.
+    modifiers' tensors (:func:`mod_values`), the BlockMap's maps, the launches.
 
     ``like`` is the first input: the workspace comes from torch's caching
     allocator when it is a torch tensor on torch's current stream (graph
@@ -847,24 +868,26 @@ def execute(plan: _Plan, vals: List[int], ctx: int, device: int, stream: int, kl
     caller owns one (``workspace``, at least ``plan.ws_bytes``).
     """
     if plan.ws_bytes == 0 or workspace:
-        launch_plan(plan, vals, ctx, stream, kl_host, workspace, mod_values)
+        launch_plan(plan, vals, ctx, stream, kl_host, workspace, mod_values, block_map)
         return
     torch = _torch_current(like, stream)
     if torch is not None:
         buf = like.new_empty((plan.ws_bytes,), dtype=torch.uint8)  # (freed after the launches, in stream order)
-        launch_plan(plan, vals, ctx, stream, kl_host, buf.data_ptr(), mod_values)
+        launch_plan(plan, vals, ctx, stream, kl_host, buf.data_ptr(), mod_values, block_map)
         return
     base = _driver.alloc_async(plan.ws_bytes, device, stream)
     try:
-        launch_plan(plan, vals, ctx, stream, kl_host, base, mod_values)
+        launch_plan(plan, vals, ctx, stream, kl_host, base, mod_values, block_map)
     finally:
         _driver.free_async(base, stream)
 
 
 def launch_plan(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Optional[np.ndarray],
-                workspace: int, mod_values: Sequence[Any] = ()) -> None:
+                workspace: int, mod_values: Sequence[Any] = (), block_map: Any = None) -> None:
     """Launch ``plan`` with ``workspace`` (at least ``plan.ws_bytes``; 0 when it needs none), host
-    key lengths and host modifier tensors copied into it first."""
+    key lengths and host modifier tensors copied into it first, and the maps of ``block_map``
+    (the plan's BlockMap, :mod:`pycudaflash.blockmap`): those it does not hold yet are built
+    first, and the host waits for them once."""
     vals[plan.WS] = workspace
     if kl_host is not None and plan.kl_offset >= 0:
         dst = workspace + plan.kl_offset
@@ -882,7 +905,32 @@ def launch_plan(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Op
         else:
             dst = int(value)
         vals[plan.MOD0 + k] = dst
-    plan.launch(vals, ctx, stream)
+    if not plan.map_specs:
+        plan.launch(vals, ctx, stream)
+        return
+    if block_map is None:
+        raise ValueError("this call was planned with a block_map and is given none")
+    builds, keys = [], []
+    for k, spec in enumerate(plan.map_specs):
+        key = (ctx, *spec, *plan.dims[2:4])
+        ptr, fresh = block_map.address(key, spec[-1], _driver.mem_alloc)
+        vals[plan.MAP0 + k] = ptr
+        if fresh:
+            builds.append(k)
+            keys.append(key)
+    if builds and _driver.is_capturing(stream):
+        for key in keys:
+            block_map.forget(key)
+        raise ValueError("a BlockMap's maps cannot be built during graph capture: run the call once before "
+                         "capturing it")
+    try:
+        plan.launch(vals, ctx, stream, builds)
+        if builds:  # (once built, calls on any stream may read them)
+            _driver.synchronize(stream)
+    except BaseException:
+        for key in keys:
+            block_map.forget(key)
+        raise
 
 
 def mod_values(plan: _Plan, tensors: Optional[Dict[str, Any]]) -> List[Any]:
@@ -1015,14 +1063,14 @@ def run(prob: Problem, kind: str, stream: Any = None, keep: Optional[Callable[[A
     ctx, pushed = _driver.enter(_device_hint(prob.q.obj))
     try:
         return launch(plan_, ctx, device, stream_for(stream, prob.q.obj), ptrs, objs, kl_host=prob.key_lengths,
-                      mods=mod_values(plan_, prob.mod_tensors))
+                      mods=mod_values(plan_, prob.mod_tensors), block_map=prob.block_map)
     finally:
         _driver.leave(pushed)
 
 
 def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int], objs: Sequence[Any],
            device_kl: int = 0, kl_host: Optional[np.ndarray] = None, workspace: int = 0,
-           mods: Sequence[Any] = ()) -> Tuple[Any, ...]:
+           mods: Sequence[Any] = (), block_map: Any = None) -> Tuple[Any, ...]:
     """Allocate the outputs missing from ``objs``, launch ``plan_`` and return its outputs.
 
     ``ptrs`` and ``objs``: pointers and objects of the pass's
@@ -1030,7 +1078,8 @@ def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int]
     has them: ``device_kl``, a device int32 array read in place, or
     ``kl_host``, validated host int32 values copied into the workspace.
     ``workspace``: device memory of the caller's for the plan's workspace
-    (0: one per call).  ``mods``: the modifiers' tensors (:func:`mod_values`).
+    (0: one per call).  ``mods``: the modifiers' tensors (:func:`mod_values`).  ``block_map``:
+    the call's :class:`pycudaflash.BlockMap` (a plan made with one needs one).
     """
     like = objs[0]
     vals = plan_.values(ptrs)
@@ -1044,7 +1093,7 @@ def launch(plan_: _Plan, ctx: int, device: int, stream: int, ptrs: Sequence[int]
             vals[i] = _ptr(o)
         outs.append(o)
     execute(plan_, vals, ctx, device, stream, _key_lengths_arg(plan_, vals, stream, device_kl, kl_host), like,
-            workspace, mods)
+            workspace, mods, block_map)
     return tuple(outs)
 
 

@@ -35,7 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _calls, _driver, _fastpath, _validate, cuda_backend
+from . import _calls, _driver, _fastpath, _validate, blockmap, cuda_backend
+from .blockmap import BlockMap
 from .semantics import normalize_causal, normalize_scale, normalize_window
 
 __all__ = ["flash_attention"]
@@ -58,6 +59,7 @@ def flash_attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     mod_tensors: Optional[Dict[str, Any]] = None,
+    block_map: Optional[BlockMap] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention ``softmax(scale * q k^T + bias) v``, differentiable in q, k and v.
 
@@ -95,6 +97,11 @@ def flash_attention(
         are CUDA tensors of the same device (float32, int32 or bool, read in
         place) or CPU tensors (copied on every call); eagerly only, not under
         ``torch.compile``.
+    block_map : pycudaflash.BlockMap, optional
+        A bool mask and/or mask modifier whose block maps are kept on the
+        GPU and reused by every call that passes it (each layer, each step):
+        the call takes its mask, mask_mod and their tensors from it, as in
+        :func:`pycudaflash.flash_attn_forward`.  Eagerly only.
 
     Returns
     -------
@@ -117,16 +124,17 @@ def flash_attention(
     # host path loaded, straight to the operator.
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and mask is None
             and key_lengths is None and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1):
-        if (_cpp_serves and score_mod is None and mask_mod is None and mod_tensors is None and q.is_cuda
-                and not _is_compiling()):
+        if (_cpp_serves and score_mod is None and mask_mod is None and mod_tensors is None and block_map is None
+                and q.is_cuda and not _is_compiling()):
             out, lse = _flash_fwd_op(q, k, v, None, None, *opts, deterministic)
             return (out, lse) if return_lse else out
     else:
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     kl = None if key_lengths is None else _key_lengths_tensor(key_lengths)
-    if score_mod is not None or mask_mod is not None or mod_tensors is not None:
+    if score_mod is not None or mask_mod is not None or mod_tensors is not None or block_map is not None:
+        mask, mask_mod, mod_tensors = blockmap.call_args(block_map, mask, mask_mod, mod_tensors)
         return _with_mods(q, k, v, mask, kl, opts, deterministic, return_lse,
-                          dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors))
+                          dict(score_mod=score_mod, mask_mod=mask_mod, mod_tensors=mod_tensors, block_map=block_map))
     if _is_compiling() or not _plain(q, k, v, mask, kl) or (q.is_cuda and _cpp_loaded()):
         # (the operator: its autograd and CUDA kernels are C++ where the C++ host path is loaded)
         out, lse = torch.ops.pycudaflash.flash_fwd(q, k, v, mask, kl, *opts, deterministic)
@@ -155,7 +163,7 @@ def _with_mods(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: Opti
                opts: Tuple[Any, ...], deterministic: bool, return_lse: bool, mods: Dict[str, Any]) -> Any:
     """A call with modifiers: eagerly through the autograd function (CUDA kernels or NumPy backend)."""
     if _is_compiling():
-        raise ValueError("score_mod, mask_mod and mod_tensors do not run under torch.compile yet")
+        raise ValueError("score_mod, mask_mod, mod_tensors and block_map do not run under torch.compile yet")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, mask, kl, opts, deterministic, return_lse, mods)
     out, lse, _ = _forward_impl(q, k, v, mask, kl, opts, mods=mods)
@@ -310,10 +318,13 @@ _raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 
 
 def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: Tuple[int, ...],
-            kl: Optional[Tensor], q: Tensor, mod_tensors: Optional[Dict[str, Any]] = None) -> None:
+            kl: Optional[Tensor], q: Tensor, mods: Optional[Dict[str, Any]] = None) -> None:
     """Launch pass ``kind`` on torch's current stream: the plan of ``key``, made on first use from
     ``validate()``'s Problem.  ``ptrs``: the pass's operands (``cuda_backend.OPERANDS``), outputs
-    included (a forward's lse may be 0: not stored); ``mod_tensors``: the modifiers' tensors."""
+    included (a forward's lse may be 0: not stored); ``mods``: the modifier arguments (their
+    tensors, the BlockMap)."""
+    mods = mods or {}
+    block_map = mods.get("block_map")
     hit = _calls.lookup(key)
     if hit is None:
         hit = _calls.remember(key, cuda_backend.plan(validate(), kind))
@@ -325,24 +336,24 @@ def _launch(kind: str, key: Tuple[Any, ...], validate: Callable[[], Any], ptrs: 
             vals[plan.KL] = kl.data_ptr()
         else:
             kl_host = _validate.host_key_lengths(kl.numpy(), plan.dims[0], plan.dims[3])
-    mod_values = _calls.mod_values(plan, mod_tensors)
+    mod_values = _calls.mod_values(plan, mods.get("mod_tensors"))
     stream = torch._C._cuda_getCurrentRawStream(device)
     ctx, pushed = _driver.enter(device)
     try:
         if not plan.ws_bytes:
-            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, 0, mod_values)
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, 0, mod_values, block_map)
         elif torch._C._cuda_getDevice() == device:
             # The workspace comes from torch's caching allocator, ordered on this stream like the
             # launches: freed on return, reused by later work on the stream only (and taken from a
             # graph's private pool while the stream is captured).
             ws = _raw_alloc(plan.ws_bytes, stream)
             try:
-                cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws, mod_values)
+                cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws, mod_values, block_map)
             finally:
                 _raw_delete(ws)
         else:  # (the raw allocator serves torch's current device only)
             ws_tensor = q.new_empty((plan.ws_bytes,), dtype=torch.uint8)
-            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws_tensor.data_ptr(), mod_values)
+            cuda_backend.launch_plan(plan, vals, ctx, stream, kl_host, ws_tensor.data_ptr(), mod_values, block_map)
     finally:
         _driver.leave(pushed)
 
@@ -366,7 +377,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kl: O
             0 if mask is None else mask.data_ptr())
     key = _signature("fwd", (q, k, v), mask, kl, opts, ptrs, mods)
     _launch("fwd", key, lambda: _validated("fwd", (q, k, v, out, lse), mask, kl, opts, mods=mods),
-            ptrs, kl, q, (mods or {}).get("mod_tensors"))
+            ptrs, kl, q, mods)
     return out, lse, key
 
 
@@ -399,7 +410,7 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                deterministic)
     _launch("bwd", key,
             lambda: _validated("bwd", (dout, q, k, v, out, lse, dq, dk, dv), mask, kl, opts, deterministic, mods),
-            ptrs, kl, q, (mods or {}).get("mod_tensors"))
+            ptrs, kl, q, mods)
     return dq, dk, dv
 
 

@@ -1,6 +1,7 @@
 """Speed of score and mask modifiers on the GPU (bf16, D = 128, B = 4, H = 16, N = 4096, causal off):
 forward and forward + backward in ms for no modifier, ALiBi and soft-capping (score_mod), and a
-document mask (mask_mod) against FlexAttention compiled, where torch has it, with the same documents.
+document mask (mask_mod; and through a BlockMap built once) against FlexAttention compiled, where
+torch has it, with the same documents (its block mask built once).
 
     python scripts/mods_speed.py [--out results.json]
 """
@@ -13,6 +14,7 @@ import json
 import torch
 
 from mask_speed import elapsed_ms  # (scripts/, beside this one)
+from pycudaflash import BlockMap
 from pycudaflash.torch import flash_attention
 
 B, H, N, D = 4, 16, 4096, 128
@@ -51,6 +53,9 @@ def main() -> None:
     res["softcap"] = _time(lambda q, k, v: flash_attention(q, k, v, score_mod="30 * tanh(score / 30)"), q, k, v, do)
     res["document_mask_mod"] = _time(lambda q, k, v: flash_attention(q, k, v, mask_mod="doc[b, i] == doc[b, j]",
                                                                      mod_tensors=dict(doc=doc)), q, k, v, do)
+    # (its block maps built once, as FlexAttention's block mask below)
+    block_map = BlockMap(mask_mod="doc[b, i] == doc[b, j]", mod_tensors=dict(doc=doc))
+    res["document_block_map"] = _time(lambda q, k, v: flash_attention(q, k, v, block_map=block_map), q, k, v, do)
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

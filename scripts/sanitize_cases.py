@@ -52,6 +52,9 @@ def main(argv=None) -> int:
                                "mod_tensors": {"slope": np.array([0.5, 0.25, 0.125, 0.0625], np.float32),
                                                "doc": doc}, "causal": "bottom_right"}
     cases["softcap"] = {"score_mod": "30 * tanh(score / 30)", "key_lengths": np.array([0, 90], np.int32)}
+    # A bool mask and a mask modifier through a BlockMap (device arrays: its maps built once, then read).
+    cases["block_map"] = {"mask": cases["bool_mask"]["mask"], "mask_mod": "doc[b, i] == doc[b, j]",
+                          "mod_tensors": {"doc": doc}}
     failures = 0
     # Runs (dtype, D, sizes, the cases to run; None: all): head dims 64 and 37
     # (bucket 64) with every case; for 16-bit inputs also the other tile
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     for dt in dtypes:
         runs += [(dt, D, small, None, H) for D in (64, 37)]
         if dt != "float32":
-            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask", "alibi_document"}, H)
+            runs += [(dt, D, small, {"none", "causal_bottom_right", "bool_mask", "alibi_document", "block_map"}, H)
                      for D in (128, 150, 256)]
             runs.append((dt, 128, (4, 12, 300, 257), {"none", "causal_bottom_right"}, 12))
         runs += [(dt, 64, (2, 4, Nq, Nk), {"none", "causal_bottom_right", "bool_mask", "key_lengths", "alibi_document"},
@@ -82,6 +85,9 @@ def main(argv=None) -> int:
             if names is not None and name not in names:
                 continue
             dkw = {key: (gpuarray.to_gpu(val) if key == "mask" else val) for key, val in kw.items()}
+            if name == "block_map":
+                dkw = {"block_map": pf.BlockMap(mask=dkw["mask"], mask_mod=kw["mask_mod"],
+                                                mod_tensors={"doc": gpuarray.to_gpu(doc)})}
             dkw["dtype"] = dtype  # a bfloat16 GPUArray exports the opaque '<V2'
             out, lse = pf.flash_attn_forward(gq, gk, gv, **dkw)
             ro, rl = reference_forward(q, k, v, **kw)
