@@ -294,6 +294,8 @@ class PreparedCall:
             _driver.leave(pushed)
         self._kind, self._plan, self._device = kind, plan, device
         self._ptrs, self._objs = tuple(ptrs), tuple(objs)
+        # (the modifiers' tensors as the plan reads them, and the BlockMap whose maps it reads)
+        self._mods, self._block_map = cuda_backend.mod_values(plan, prob.mod_tensors), prob.block_map
         self._kl_ptr = 0 if self._kl is None else cuda_backend._ptr(self._kl)
         self._ws_ptr = 0 if self._ws is None else cuda_backend._ptr(self._ws)
         self.outputs: Tuple[Any, ...] = tuple(objs[i] for i in plan.OUTPUTS)
@@ -306,7 +308,8 @@ class PreparedCall:
         try:
             handle = cuda_backend.stream_for(stream, self._objs[0])
             return cuda_backend.launch(self._plan, ctx, self._device, handle, self._ptrs, self._objs,
-                                       device_kl=self._kl_ptr, workspace=self._ws_ptr)
+                                       device_kl=self._kl_ptr, workspace=self._ws_ptr, mods=self._mods,
+                                       block_map=self._block_map)
         finally:
             _driver.leave(pushed)
 
@@ -321,8 +324,11 @@ def prepare_forward(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, out: Optional[A
         Device arrays as in :func:`flash_attn_forward`; outputs not given
         are allocated here, once.
     **options
-        ``causal``, ``window``, ``mask``, ``key_lengths``, ``scale`` and
-        ``dtype`` as in :func:`flash_attn_forward`.
+        ``causal``, ``window``, ``mask``, ``key_lengths``, ``scale``,
+        ``dtype``, ``score_mod``, ``mask_mod``, ``mod_tensors`` and
+        ``block_map`` as in :func:`flash_attn_forward` (device modifier
+        tensors are read in place at every call, host ones copied; a
+        BlockMap's maps are built by the first call that needs them).
     """
     prob = _validate.validate_forward(q, k, v, out=out, lse=lse, **options)
     if not prob.on_device:
@@ -336,7 +342,8 @@ def prepare_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, 
     """Validate and plan a backward call on device arrays once (see :func:`prepare_forward`).
 
     ``**options``: ``causal``, ``window``, ``mask``, ``key_lengths``,
-    ``scale``, ``deterministic`` and ``dtype`` as in :func:`flash_attn_backward`.
+    ``scale``, ``deterministic``, ``dtype``, ``score_mod``, ``mask_mod``,
+    ``mod_tensors`` and ``block_map`` as in :func:`flash_attn_backward`.
     """
     prob = _validate.validate_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **options)
     if not prob.on_device:

@@ -177,3 +177,30 @@ def test_block_map_cannot_be_built_during_capture(cuda: None) -> None:
         with torch.cuda.graph(graph):
             flash_attn_forward(q, k, v, block_map=bm, out=out, lse=lse)
     assert len(bm._maps) == 0
+
+
+@pytest.mark.gpu
+def test_prepared_call_with_a_block_map_and_modifiers(cuda: None) -> None:
+    """A prepared forward and backward read the BlockMap's maps and the modifiers' device tensors:
+    the same results as the plain calls, and no map built after the first call."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from pycudaflash import prepare_backward, prepare_forward
+
+    q, k, v, dout, doc = _cuda_problem(torch, torch.float16)
+    slope = torch.linspace(0.5, 0.1, q.shape[1], device="cuda")
+    bm = BlockMap(mask_mod=DOC, mod_tensors=dict(doc=doc))
+    kw = dict(score_mod="score - slope[h] * abs(i - j)", mod_tensors=dict(slope=slope))
+    plain = dict(mask_mod=DOC, score_mod=kw["score_mod"], mod_tensors=dict(slope=slope, doc=doc))
+    want = flash_attn_forward(q, k, v, **plain)
+    want_g = flash_attn_backward(dout, q, k, v, *want, deterministic=True, **plain)
+    fwd = prepare_forward(q, k, v, block_map=bm, **kw)
+    got = fwd()
+    bwd = prepare_backward(dout, q, k, v, *got, deterministic=True, block_map=bm, **kw)
+    bwd()
+    built = len(bm._maps)
+    for _ in range(2):
+        got = fwd()
+        got_g = bwd()
+    assert len(bm._maps) == built
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), tuple(got) + tuple(got_g), want + want_g):
+        assert torch.equal(x, y), name
