@@ -336,3 +336,78 @@ def test_a_plan_without_a_bool_mask_or_mask_modifier_builds_no_block_map(monkeyp
             kernel = next(k for k in plan.kernels if k.name == reader)
             rptr = compiler.kernel_params("bwd_f16", reader).pointers
             assert "tmap" not in {rptr[i] for i, _, _ in kernel.refs}, f"{reader} got a block map"
+
+
+@pytest.mark.parametrize("source, what, planes", [_MAP_SOURCES[0], _MAP_SOURCES[4], _MAP_SOURCES[8]])
+def test_a_block_map_holds_the_maps_and_builds_them_once(monkeypatch: pytest.MonkeyPatch, source: str, what: tuple,
+                                                         planes: tuple) -> None:
+    """With a BlockMap the plan launches no map builder of its own: its readers' tmap are value slots
+    from MAP0 (one a tile shape), filled at launch with memory the BlockMap owns; the first launch
+    runs each builder into it (then waits on the stream), a second one runs none and reads the same
+    memory; a launch without the BlockMap raises, and so does one that would build while capturing."""
+    import dataclasses
+
+    from pycudaflash import BlockMap, cuda_backend
+    from pycudaflash.mods import mask_mod
+
+    B, H, Nq, Nk, D = 2, 4, 33, 70, 64
+    x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, D), np.float16)
+         for n in ("q", "k", "v", "dout", "out")}
+    if source == "mask":
+        bm, mods, kind = BlockMap(mask=np.ones(what, bool)), (None, None), "bool"
+    elif source == "mask_mod":
+        bm, mods, kind = BlockMap(mask_mod=what[0], mod_tensors=what[1]), (None, mask_mod(*what)), "none"
+    else:
+        bm = BlockMap(mask=np.ones(what[0], bool), mask_mod=what[1], mod_tensors=what[2])
+        mods, kind = (None, mask_mod(*what[1:])), "bool"
+    fake = _FakeVariant("bwd_f16", compiler.defines("bwd_f16", 64, kind, "float16", "sm_80", mods=mods),
+                        {"flash_bwd_dkdv_kernel": (256, 128), "flash_bwd_preprocess": (256, 32),
+                         "flash_bwd_dq_kernel": (128, 64)})
+    fake.mod_names = tuple(sorted(bm.mod_tensors))
+    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind: fake)
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+    prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32),
+                                       deterministic=True, block_map=bm)
+    assert prob.block_map is None  # (host arrays: the maps are built per call)
+    prob = dataclasses.replace(prob, block_map=bm)  # (as a device call's)
+    names = cuda_backend.OPERANDS["bwd"][:-1]
+    shapes = dict(zip((names[i] for i in cuda_backend.BackwardPlan.OUTPUTS), cuda_backend._output_shapes(prob, "bwd")))
+    plan = cuda_backend.BackwardPlan(prob, cuda_backend._plan_strides(prob, names, shapes), True)
+    assert not [k for k in plan.kernels if k.name.endswith("tile_map")]
+    readers = ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")  # (tile shapes 64 x 128 and 64 x 64)
+    assert len(plan.map_specs) == len(plan.map_builders) == 2
+    assert plan.N_VALS == plan.MAP0 + cuda_backend.MAX_MAP_SHAPES == plan.MOD0 + len(fake.mod_names) + 2
+    for k, (reader, spec, build) in enumerate(zip(readers, plan.map_specs, plan.map_builders)):
+        br, bc = fake.map_tile(reader)
+        tiles = -(-Nq // br) * -(-Nk // bc)
+        assert spec[1:] == (br, bc, planes[0], planes[1], tiles * planes[0] * planes[1])
+        assert build.grid == (tiles, planes[1], planes[0])
+        bptr = compiler.kernel_params("bwd_f16", spec[0]).pointers
+        assert {bptr[i]: (src, off) for i, src, off in build.refs}["tmap"] == (plan.MAP0 + k, 0)
+        kernel = next(kk for kk in plan.kernels if kk.name == reader)
+        rptr = compiler.kernel_params("bwd_f16", reader).pointers
+        assert {rptr[i]: (src, off) for i, src, off in kernel.refs}["tmap"] == (plan.MAP0 + k, 0)
+
+    allocs, launched, synced = iter(range(0x1000, 0x100000, 0x1000)), [], []
+    monkeypatch.setattr(_driver, "mem_alloc", lambda n: next(allocs))
+    monkeypatch.setattr(_driver, "synchronize", lambda stream: synced.append(stream))
+    monkeypatch.setattr(_driver, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(plan, "launch", lambda vals, ctx, stream, builds=(): launched.append((list(vals), builds)))
+    mods = [0x50000 + 0x100 * i for i in range(len(fake.mod_names))]  # (as device tensors' addresses)
+    for _ in range(2):
+        cuda_backend.launch_plan(plan, plan.values([0] * 10), 77, 5, None, 0x9000000, mods, bm)
+    (v1, b1), (v2, b2) = launched
+    assert list(b1) == [0, 1] and list(b2) == [] and synced == [5]
+    assert v1[plan.MAP0:plan.MAP0 + 2] == v2[plan.MAP0:plan.MAP0 + 2] == [0x1000, 0x2000]
+    assert sorted(bm._maps.values()) == [0x1000, 0x2000] and all(key[0] == 77 for key in bm._maps)
+    with pytest.raises(ValueError, match="planned with a block_map and is given none"):
+        cuda_backend.launch_plan(plan, plan.values([0] * 10), 77, 5, None, 0x9000000, mods, None)
+    monkeypatch.setattr(_driver, "is_capturing", lambda stream: True)
+    freed = []
+    monkeypatch.setattr(_driver, "mem_free", lambda ptr: freed.append(ptr))
+    monkeypatch.setattr(_driver, "enter", lambda device=None: (77, False))
+    monkeypatch.setattr(_driver, "context_device", lambda ctx: 0)
+    other = BlockMap(mask=bm.mask, mask_mod=bm.mask_mod, mod_tensors=bm.mod_tensors)
+    with pytest.raises(ValueError, match="cannot be built during graph capture"):
+        cuda_backend.launch_plan(plan, plan.values([0] * 10), 77, 5, None, 0x9000000, mods, other)
+    assert not other._maps and freed == [0x3000, 0x4000] and len(launched) == 2
