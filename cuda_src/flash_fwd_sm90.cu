@@ -47,9 +47,9 @@
 #error "BC must be defined (pycudaflash.compiler.defines)"
 #endif
 // Overlap the softmax of Sj with O += P(j-1) V(j-1) (keeps P(j-1) live
-// through the softmax: off where a dense mask's addressing needs the registers).
+// through the softmax: off where a float mask's addressing needs the registers).
 #ifndef FWD_OVERLAP
-#if MASK_MODE != 0 && HEAD_DIM >= 128
+#if MASK_MODE == 2 && HEAD_DIM >= 128
 #define FWD_OVERLAP 0
 #else
 #define FWD_OVERLAP 1
