@@ -84,6 +84,34 @@ class BlockMap:
             parts.append(f"mask_mod {self.mask_mod.src!r}")
         return f"BlockMap({', '.join(parts)}; {len(self._maps)} maps built)"
 
+    def block_mask(self, B: int, H: int, Nq: int, Nk: int, *, block_q: int = 128, block_k: int = 128,
+                   causal: Any = False, window: Any = None, key_lengths: Any = None) -> Any:
+        """The host summary of this mask for a call of these sizes and options, computed with
+        numpy (:func:`pycudaflash.blockmask.build_block_mask`, the reference of the GPU maps):
+        its ``kinds`` per tile, ``sparsity`` (the fraction of tiles a call skips) and bits.
+
+        Parameters
+        ----------
+        B, H, Nq, Nk : int
+            The call's batch, heads, query and key lengths.
+        block_q, block_k : int, optional
+            Tile sizes of the summary.
+        causal, window, key_lengths : optional
+            The call's band, as in :func:`pycudaflash.flash_attn_forward`.
+
+        Returns
+        -------
+        pycudaflash.blockmask.BlockMask
+        """
+        from .blockmask import build_block_mask
+        from .testing import to_host
+
+        mask = None if self.mask is None else to_host(self.mask)
+        tensors = {name: to_host(t) for name, t in self.mod_tensors.items()}
+        return build_block_mask(B, H, Nq, Nk, block_q=block_q, block_k=block_k, causal=causal, window=window,
+                                mask=mask, key_lengths=key_lengths, mask_mod=self.mask_mod,
+                                mod_tensors=tensors or None)
+
     def call_args(self, mask: Any, mask_mod: Any, mod_tensors: Optional[Mapping[str, Any]]
                   ) -> Tuple[Any, Any, Optional[Dict[str, Any]]]:
         """A call's ``mask``, ``mask_mod`` and ``mod_tensors`` with this BlockMap's: the call may

@@ -204,3 +204,25 @@ def test_prepared_call_with_a_block_map_and_modifiers(cuda: None) -> None:
     assert len(bm._maps) == built
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), tuple(got) + tuple(got_g), want + want_g):
         assert torch.equal(x, y), name
+
+
+def test_block_mask_summarises_the_block_map_on_the_host() -> None:
+    """BlockMap.block_mask is build_block_mask of its mask and modifier: every tile's kind agrees
+    with the elements it holds, and the sparsity is the fraction of empty tiles."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    _, _, _, _, doc = _problem(B=2, Nq=300, Nk=300)
+    mask = np.random.default_rng(3).random((2, 1, 300, 300)) < 0.9
+    bm = BlockMap(mask=torch.from_numpy(mask), mask_mod=DOC, mod_tensors=dict(doc=torch.from_numpy(doc)))
+    s = bm.block_mask(2, 3, 300, 300, block_q=64, block_k=32, causal=True)
+    i, j = np.arange(300)[:, None], np.arange(300)[None, :]
+    want = (doc[:, None, :, None] == doc[:, None, None, :]) & mask & (j <= i)
+    assert np.array_equal(s.allowed(), np.broadcast_to(want, (2, 3, 300, 300)))
+    tiles = np.pad(want, ((0, 0), (0, 0), (0, 20), (0, 20)), constant_values=False)  # (to whole tiles)
+    tiles = tiles.reshape(2, 1, 5, 64, 10, 32)
+    # (a tile's padding holds no element: it is full where every element it holds is kept)
+    valid = np.pad(np.ones((300, 300), bool), ((0, 20), (0, 20))).reshape(5, 64, 10, 32)
+    anyt, allt = tiles.any(axis=(3, 5)), (tiles | ~valid).all(axis=(3, 5))
+    kinds = np.where(~anyt, 0, np.where(allt, 2, 1))
+    assert np.array_equal(s.kinds, np.broadcast_to(kinds, (2, 3, 5, 10)))
+    assert s.sparsity == pytest.approx(float(np.mean(kinds == 0)))
+    assert 0 < s.sparsity < 1
