@@ -910,20 +910,23 @@ def launch_plan(plan: _Plan, vals: List[int], ctx: int, stream: int, kl_host: Op
         return
     if block_map is None:
         raise ValueError("this call was planned with a block_map and is given none")
+
+    def alloc(nbytes: int) -> int:
+        # (checked before the allocation, which would end a capture)
+        if _driver.is_capturing(stream):
+            raise ValueError("a BlockMap's maps cannot be built during graph capture: run the call once "
+                             "before capturing it")
+        return _driver.mem_alloc(nbytes)
+
     builds, keys = [], []
-    for k, spec in enumerate(plan.map_specs):
-        key = (ctx, *spec, *plan.dims[2:4])
-        ptr, fresh = block_map.address(key, spec[-1], _driver.mem_alloc)
-        vals[plan.MAP0 + k] = ptr
-        if fresh:
-            builds.append(k)
-            keys.append(key)
-    if builds and _driver.is_capturing(stream):
-        for key in keys:
-            block_map.forget(key)
-        raise ValueError("a BlockMap's maps cannot be built during graph capture: run the call once before "
-                         "capturing it")
     try:
+        for k, spec in enumerate(plan.map_specs):
+            key = (ctx, *spec, *plan.dims[2:4])
+            ptr, fresh = block_map.address(key, spec[-1], alloc)
+            vals[plan.MAP0 + k] = ptr
+            if fresh:
+                builds.append(k)
+                keys.append(key)
         plan.launch(vals, ctx, stream, builds)
         if builds:  # (once built, calls on any stream may read them)
             _driver.synchronize(stream)
