@@ -9,7 +9,8 @@
 //              a mask modifier (mask_mod) is compiled in; their device code,
 //              ModTensors and its helpers come first in the variant's source
 //              (pycudaflash.mods.kernel_code), with MASK_MOD_READS_B and
-//              MASK_MOD_READS_H: whether mask_mod reads b and h.
+//              MASK_MOD_READS_H: whether mask_mod reads b and h, and ModHead:
+//              their values that depend on b and h alone (mod_head, once a job).
 //
 // Matrix products run on the tensor cores as split TF32 ("3xTF32"): each float
 // x is split into a TF32 "big" part hi = rna(x) and a "small" part lo = x - hi
@@ -268,13 +269,15 @@ struct MaskParams {
     int b, h;                // batch element and head (of the modifiers)
     float scale;             // softmax scale: the score modifier's score is scale * q.k (+ bias)
     const ModTensors *mods;  // the modifiers' tensors (in the parameter struct)
+    ModHead hv;              // their values at (b, h) (mask_head)
 #endif
 };
 
-// The batch element b and head h the modifiers see.
+// The batch element b and head h the modifiers see, and their values there.
 __device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
 #if MODS
     mp.b = b, mp.h = h;
+    mp.hv = mod_head(b, h, *mp.mods);
 #else
     (void)mp; (void)b; (void)h;
 #endif
@@ -480,10 +483,13 @@ extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict__ tmap, int Nq, int Nk, int br,
                int bc, const __grid_constant__ AttnParams args) {
     const unsigned char *m = mask + (i64)blockIdx.z * args.m_sb + (i64)blockIdx.y * args.m_sh;
+#if MASK_MOD
+    const ModHead hv = mod_head(blockIdx.z, blockIdx.y, args.mods);
+#endif
     tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) {
 #if MASK_MOD
         return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0 &&
-               mask_mod(0.f, blockIdx.z, blockIdx.y, i, j, args.mods);
+               mask_mod(0.f, blockIdx.z, blockIdx.y, i, j, args.mods, hv);
 #else
         return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0;
 #endif
@@ -498,7 +504,8 @@ extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
 flash_mod_tile_map(unsigned char *__restrict__ tmap, int Nq, int Nk, int br, int bc,
                    const __grid_constant__ AttnParams args) {
     const int b = blockIdx.z, h = blockIdx.y;
-    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) { return (bool)mask_mod(0.f, b, h, i, j, args.mods); });
+    const ModHead hv = mod_head(b, h, args.mods);
+    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) { return (bool)mask_mod(0.f, b, h, i, j, args.mods, hv); });
 }
 #endif
 
@@ -523,7 +530,7 @@ __device__ __forceinline__ float masked_score(float s, float scale_log2, const M
     if (!in_band) return NEG_INF;
 #if MASK_MOD
     // The mask modifier excludes like the other conditions.
-    if (!mask_mod(0.f, mp.b, mp.h, i, j, *mp.mods)) return NEG_INF;
+    if (!mask_mod(0.f, mp.b, mp.h, i, j, *mp.mods, mp.hv)) return NEG_INF;
 #endif
     float x = s * scale_log2;
 #if MASK_MODE == 1
@@ -535,7 +542,7 @@ __device__ __forceinline__ float masked_score(float s, float scale_log2, const M
 #endif
 #if SCORE_MOD
     // The score modifier replaces the (biased) score, in natural units.
-    x = score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods) * LOG2E;
+    x = score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods, mp.hv) * LOG2E;
 #endif
     return x;
 }
@@ -547,7 +554,7 @@ __device__ __forceinline__ float tile_score(float s, bool need_mask, float scale
                                             const char *mask_base, int i, int j) {
     if (need_mask) return masked_score(s, scale_log2, mp, mask_base, i, j);
 #if SCORE_MOD
-    return score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods) * LOG2E;
+    return score_mod(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods, mp.hv) * LOG2E;
 #else
     (void)mp; (void)mask_base; (void)i; (void)j;
     return s * scale_log2;
@@ -557,7 +564,7 @@ __device__ __forceinline__ float tile_score(float s, bool need_mask, float scale
 #if SCORE_MOD
 // d(score_mod)/d(score) of element (i, j) at its unmodified score.
 __device__ __forceinline__ float score_slope(float s, const MaskParams &mp, const char *mask_base, int i, int j) {
-    return score_mod_slope(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods);
+    return score_mod_slope(unmodified_score(s, mp, mask_base, i, j), mp.b, mp.h, i, j, *mp.mods, mp.hv);
 }
 
 // dS of an element through the score modifier: dS times its slope (nothing

@@ -364,18 +364,23 @@ class Modifier:
 
     # ------------------------------------------------------------------ CUDA
 
-    def cuda(self, name: str, slots: Optional[Mapping[str, int]] = None) -> str:
+    def cuda(self, name: str, slots: Optional[Mapping[str, int]] = None,
+             hoisted: Optional[Mapping[Node, str]] = None) -> str:
         """A CUDA device function ``name(score, b, h, i, j, mods)`` returning the expression
         (``float`` for a score modifier, ``bool`` for a mask modifier).  ``mods`` is a
         ``ModTensors`` (see :data:`CUDA_PRELUDE`) whose slot ``slots[t]`` holds tensor ``t``
-        (default: the ``k``-th tensor of :attr:`signature` in name order)."""
+        (default: the ``k``-th tensor of :attr:`signature` in name order).  With ``hoisted``
+        (subexpression -> ``ModHead`` member, see :func:`kernel_code`) the function takes a
+        last argument ``const ModHead &hv`` and reads those subexpressions from it."""
         if slots is None:
             slots = {t: k for k, t in enumerate(sorted(self.signature))}
         ret = "float" if self.role == "score" else "bool"
-        body = _cuda(self.node, dict(slots))
+        body = _cuda(self.node, _Emit(dict(slots), dict(hoisted or {})))
+        head = ", const ModHead &hv" if hoisted is not None else ""
+        void = " (void)hv;" if hoisted is not None else ""
         return (f"__device__ __forceinline__ {ret} {name}(float score, int b, int h, int i, int j, "
-                f"const ModTensors &mods) {{\n    (void)score; (void)b; (void)h; (void)i; (void)j; (void)mods;\n"
-                f"    return {body};\n}}\n")
+                f"const ModTensors &mods{head}) {{\n    (void)score; (void)b; (void)h; (void)i; (void)j; "
+                f"(void)mods;{void}\n    return {body};\n}}\n")
 
     @property
     def tensors_read(self) -> Tuple[str, ...]:
@@ -386,10 +391,13 @@ class Modifier:
 def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tuple[str, ...], str]:
     """The device code of a kernel variant with these modifiers: ``(names, code)``.
 
-    ``code`` is :data:`CUDA_PRELUDE` and the device functions ``score_mod``,
-    ``score_mod_slope`` (its derivative) and ``mask_mod`` of those given, the
-    latter with ``MASK_MOD_READS_B`` and ``MASK_MOD_READS_H`` (1 where it
-    reads that position: the planes of its block map);
+    ``code`` is :data:`CUDA_PRELUDE`, ``struct ModHead`` with ``mod_head(b,
+    h, mods)`` (the subexpressions that depend on ``b`` and ``h`` alone,
+    which a kernel evaluates once a job) and the device functions
+    ``score_mod``, ``score_mod_slope`` (its derivative) and ``mask_mod`` of
+    those given, ``(score, b, h, i, j, mods, hv)``, the latter with
+    ``MASK_MOD_READS_B`` and ``MASK_MOD_READS_H`` (1 where it reads that
+    position: the planes of its block map);
     ``names`` are the tensors they read, ``names[k]`` in slot ``k`` of
     ``ModTensors``.  The same expressions over tensors of the same kinds and
     dimensions give the same text.
@@ -400,11 +408,11 @@ def kernel_code(score: Optional[Modifier], mask: Optional[Modifier]) -> Tuple[Tu
     if len(names) > MAX_TENSORS:
         raise ValueError(f"the modifiers read {len(names)} mod_tensors, at most {MAX_TENSORS} on the GPU")
     slots = {t: k for k, t in enumerate(names)}
-    parts = [CUDA_PRELUDE]
-    if score is not None:
-        parts += [score.cuda("score_mod", slots), score.derivative().cuda("score_mod_slope", slots)]
+    exprs = ((score, "score_mod"), (score.derivative() if score else None, "score_mod_slope"), (mask, "mask_mod"))
+    hoisted = _head_values(tuple(m.node for m, _ in exprs if m is not None))
+    parts = [CUDA_PRELUDE, _head_code(hoisted, slots)]
+    parts += [m.cuda(name, slots, hoisted) for m, name in exprs if m is not None]
     if mask is not None:
-        parts.append(mask.cuda("mask_mod", slots))
         parts.append("".join(f"#define MASK_MOD_READS_{p.upper()} {int(mask.reads(p))}\n" for p in ("b", "h")))
     return names, "".join(parts)
 
@@ -695,13 +703,57 @@ def _ctype(n: Node) -> str:
     return "int" if r is not None and _I32[0] <= r[0] and r[1] <= _I32[1] else "long long"
 
 
-def _as(ctype: str, n: Node, slots: Dict[str, int]) -> str:
+@dataclass(frozen=True)
+class _Emit:
+    """What the translation of an expression refers to: the tensors' ``ModTensors`` slots, and
+    the subexpressions a kernel reads from its ``ModHead`` (node -> member)."""
+    slots: Mapping[str, int]
+    hoisted: Mapping[Node, str]
+
+
+def _head_values(nodes: Tuple[Node, ...]) -> Dict[Node, str]:
+    """The largest subexpressions of ``nodes`` that read a tensor and depend on ``b`` and ``h``
+    alone (not on ``score``, ``i`` or ``j``), as ``ModHead`` members ``v0, v1, ...``: a kernel
+    evaluates them once a job instead of once a score (an ALiBi slope ``slope[h]``).  Loads
+    clamp their indices, so reading one outside its ``where`` branch is safe."""
+    out: Dict[Node, str] = {}
+
+    def walk(n: Node) -> None:
+        if isinstance(n, (Num, Var)):
+            return
+        if _loads(n) and not any(_uses(n, p) for p in (SCORE, "i", "j")):
+            out.setdefault(n, f"v{len(out)}")
+            return
+        kids = (n.index if isinstance(n, Load) else (n.x,) if isinstance(n, Unary)
+                else (n.a, n.b) if isinstance(n, (Bin, Cmp)) else n.args)
+        for x in kids:
+            walk(x)
+
+    for n in nodes:
+        walk(n)
+    return out
+
+
+def _head_code(hoisted: Mapping[Node, str], slots: Mapping[str, int]) -> str:
+    """``struct ModHead`` and ``mod_head(b, h, mods)``, which fills it (see :func:`_head_values`)."""
+    cx = _Emit(slots, {})
+    members = "".join(f" {_ctype(n)} {m};" for n, m in hoisted.items())
+    sets = "".join(f"    hv.{m} = {_cuda(n, cx)};\n" for n, m in hoisted.items())
+    return ("// The modifiers' values that depend on b and h alone, read once a job.\n"
+            f"struct ModHead {{{members} }};\n"
+            "__device__ __forceinline__ ModHead mod_head(int b, int h, const ModTensors &mods) {\n"
+            f"    (void)b; (void)h; (void)mods;\n    ModHead hv;\n{sets}    return hv;\n}}\n")
+
+
+def _as(ctype: str, n: Node, cx: "_Emit") -> str:
     """Node n's code as a value of C type ctype."""
-    code = _cuda(n, slots)
+    code = _cuda(n, cx)
     return code if _ctype(n) == ctype else f"(({ctype})({code}))"
 
 
-def _cuda(n: Node, slots: Dict[str, int]) -> str:
+def _cuda(n: Node, cx: "_Emit") -> str:
+    if n in cx.hoisted:
+        return f"hv.{cx.hoisted[n]}"
     if isinstance(n, Num):
         if n.kind == "bool":
             return "true" if n.value else "false"
@@ -716,41 +768,41 @@ def _cuda(n: Node, slots: Dict[str, int]) -> str:
     if isinstance(n, Var):
         return "score" if n.name == SCORE else n.name
     if isinstance(n, Load):
-        k = slots[n.tensor]
-        off = " + ".join(f"mod_at({_cuda(x, slots)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
+        k = cx.slots[n.tensor]
+        off = " + ".join(f"mod_at({_cuda(x, cx)}, mods.size[{k}][{d}], mods.stride[{k}][{d}])"
                          for d, x in enumerate(n.index))
         ctype = {"float": "float", "int": "int"}.get(n.kind, "unsigned char")
         load = f"mod_load<{ctype}>(mods.data[{k}], {off})"
         return load if n.kind != "bool" else f"({load} != 0)"
     if isinstance(n, Unary):
-        return f"(-{_as(_ctype(n), n.x, slots)})" if n.op == "-" else f"(!{_cuda(n.x, slots)})"
+        return f"(-{_as(_ctype(n), n.x, cx)})" if n.op == "-" else f"(!{_cuda(n.x, cx)})"
     if isinstance(n, Bin):
         if n.op in ("&", "|"):
-            return f"({_cuda(n.a, slots)} {'&&' if n.op == '&' else '||'} {_cuda(n.b, slots)})"
+            return f"({_cuda(n.a, cx)} {'&&' if n.op == '&' else '||'} {_cuda(n.b, cx)})"
         if n.op in ("//", "%"):
             fn = "mod_floordiv" if n.op == "//" else "mod_floormod"
-            return _cast(_ctype(n), f"{fn}({_as('long long', n.a, slots)}, {_as('long long', n.b, slots)})",
+            return _cast(_ctype(n), f"{fn}({_as('long long', n.a, cx)}, {_as('long long', n.b, cx)})",
                          "long long")
         if n.op == "/" and isinstance(n.b, Num) and _reciprocal(float(n.b.value)) is not None:
             # by a constant: times its reciprocal (within an ulp of the quotient)
-            return f"({_as('float', n.a, slots)} * {_reciprocal(float(n.b.value))!r}f)"
+            return f"({_as('float', n.a, cx)} * {_reciprocal(float(n.b.value))!r}f)"
         c = _ctype(n)
-        return f"({_as(c, n.a, slots)} {n.op} {_as(c, n.b, slots)})"
+        return f"({_as(c, n.a, cx)} {n.op} {_as(c, n.b, cx)})"
     if isinstance(n, Cmp):
         c = "bool" if n.a.kind == "bool" else _wider(_ctype(n.a), _ctype(n.b))
-        return f"({_as(c, n.a, slots)} {n.op} {_as(c, n.b, slots)})"
+        return f"({_as(c, n.a, cx)} {n.op} {_as(c, n.b, cx)})"
     c = _ctype(n)
     if n.fn == "where":
-        return f"({_cuda(n.args[0], slots)} ? {_as(c, n.args[1], slots)} : {_as(c, n.args[2], slots)})"
+        return f"({_cuda(n.args[0], cx)} ? {_as(c, n.args[1], cx)} : {_as(c, n.args[2], cx)})"
     if n.fn == "float":
-        return _as("float", n.args[0], slots)
+        return _as("float", n.args[0], cx)
     if n.fn in ("exp", "log", "tanh"):
-        return f"{n.fn}f({_as('float', n.args[0], slots)})"
+        return f"{n.fn}f({_as('float', n.args[0], cx)})"
     if n.fn == "abs":
-        return f"fabsf({_cuda(n.args[0], slots)})" if c == "float" else f"abs({_as(c, n.args[0], slots)})"
+        return f"fabsf({_cuda(n.args[0], cx)})" if c == "float" else f"abs({_as(c, n.args[0], cx)})"
     if c == "float":
-        return f"{'fminf' if n.fn == 'min' else 'fmaxf'}({_as(c, n.args[0], slots)}, {_as(c, n.args[1], slots)})"
-    return f"{n.fn}({_as(c, n.args[0], slots)}, {_as(c, n.args[1], slots)})"
+        return f"{'fminf' if n.fn == 'min' else 'fmaxf'}({_as(c, n.args[0], cx)}, {_as(c, n.args[1], cx)})"
+    return f"{n.fn}({_as(c, n.args[0], cx)}, {_as(c, n.args[1], cx)})"
 
 
 def _cast(ctype: str, code: str, have: str) -> str:

@@ -167,6 +167,29 @@ def test_translations_compile_with_nvcc(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("score_src, mask_src, members, loads_left", [
+    ("score - slope[h] * abs(i - j)", None, ["float v0"], 0),
+    (None, "(j <= i) | (j < prefix[b])", ["int v0"], 0),
+    (None, "doc[b, i] == doc[b, j]", [], 2),
+    ("score + table[h, 2] * table[b % 3, 1] - table[h, i % 9]", None, ["float v0"], 1),
+    ("score - slope[h]", "j < prefix[b] + h", ["float v0", "long long v1"], 0),
+])
+def test_kernel_code_reads_what_depends_on_b_and_h_alone_once_a_job(score_src, mask_src, members,
+                                                                    loads_left) -> None:
+    """The largest subexpressions that read a tensor and depend on b and h alone become ModHead
+    members (filled by mod_head once a job); the modifiers read them from hv, not from memory."""
+    from pycudaflash.mods import kernel_code
+
+    sm = score_mod(score_src, _tensors_used(score_src)) if score_src else None
+    mm = mask_mod(mask_src, _tensors_used(mask_src)) if mask_src else None
+    code = kernel_code(sm, mm)[1]
+    head = code[code.index("struct ModHead {"):]
+    assert head[:head.index("}")] == "struct ModHead {" + "".join(f" {m};" for m in members) + " "
+    fns = code[code.index("score_mod(" if sm else "mask_mod("):]
+    assert fns.count("mod_load") == loads_left
+    assert all(f"hv.v{k}" in fns for k in range(len(members)))
+
+
 # ------------------------------------------------- the reference with modifiers
 
 def _torch_attention(q, k, v, scale, score_fn, allowed):
