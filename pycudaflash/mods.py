@@ -23,7 +23,9 @@ always divides as floats), ``//`` and ``%`` (ints, rounding down as Python
 does; a zero divisor gives 0), unary ``-``; comparisons ``< <= > >= == !=``
 (chains allowed); ``&``, ``|``, ``~`` on bools.  Functions: ``where(c, x,
 y)``, ``exp``, ``log``, ``tanh``, ``abs``, ``min(x, y)``, ``max(x, y)``.
-Ints are 64-bit, floats are float32 in the kernels and float64 in numpy.
+Ints are 64-bit, floats are float32 in the kernels and float64 in numpy;
+``tanh`` in a score modifier of the float16 and bfloat16 kernels is the
+hardware's approximation (relative error about 2^-11).
 Anything else (attributes, other calls, ``and``/``or``, ``if`` expressions,
 lambdas, ...) is refused with a ``ValueError`` that names it.
 """
@@ -375,7 +377,7 @@ class Modifier:
         if slots is None:
             slots = {t: k for k, t in enumerate(sorted(self.signature))}
         ret = "float" if self.role == "score" else "bool"
-        body = _cuda(self.node, _Emit(dict(slots), dict(hoisted or {})))
+        body = _cuda(self.node, _Emit(dict(slots), dict(hoisted or {}), self.role == "score"))
         head = ", const ModHead &hv" if hoisted is not None else ""
         void = " (void)hv;" if hoisted is not None else ""
         return (f"__device__ __forceinline__ {ret} {name}(float score, int b, int h, int i, int j, "
@@ -639,6 +641,19 @@ template <typename T>
 __device__ __forceinline__ T mod_load(unsigned long long data, int off) {{
     return __ldg((const T *)data + off);
 }}
+// tanh in a score modifier: in the 16-bit kernels (ELEM_BF16 defined) the
+// hardware approximation (relative error about 2^-11, below the rounding of
+// a float16 or bfloat16 score), one MUFU operation where tanhf takes an
+// exp2 and a reciprocal beside the softmax's exp2; tanhf in float32.
+__device__ __forceinline__ float mod_tanh(float x) {{
+#ifdef ELEM_BF16
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return tanhf(x);
+#endif
+}}
 // Python's // and % on ints (rounding down); a zero divisor gives 0.
 __device__ __forceinline__ long long mod_floordiv(long long a, long long b) {{
     if (b == 0) return 0;
@@ -705,10 +720,11 @@ def _ctype(n: Node) -> str:
 
 @dataclass(frozen=True)
 class _Emit:
-    """What the translation of an expression refers to: the tensors' ``ModTensors`` slots, and
-    the subexpressions a kernel reads from its ``ModHead`` (node -> member)."""
+    """What the translation of an expression refers to: the tensors' ``ModTensors`` slots, the
+    subexpressions a kernel reads from its ``ModHead`` (node -> member), and its role."""
     slots: Mapping[str, int]
     hoisted: Mapping[Node, str]
+    score: bool = False  # a score modifier (mod_tanh; a mask modifier's decisions take tanhf)
 
 
 def _head_values(nodes: Tuple[Node, ...]) -> Dict[Node, str]:
@@ -796,6 +812,8 @@ def _cuda(n: Node, cx: "_Emit") -> str:
         return f"({_cuda(n.args[0], cx)} ? {_as(c, n.args[1], cx)} : {_as(c, n.args[2], cx)})"
     if n.fn == "float":
         return _as("float", n.args[0], cx)
+    if n.fn == "tanh" and cx.score:
+        return f"mod_tanh({_as('float', n.args[0], cx)})"
     if n.fn in ("exp", "log", "tanh"):
         return f"{n.fn}f({_as('float', n.args[0], cx)})"
     if n.fn == "abs":

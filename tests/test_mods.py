@@ -190,6 +190,20 @@ def test_kernel_code_reads_what_depends_on_b_and_h_alone_once_a_job(score_src, m
     assert all(f"hv.v{k}" in fns for k in range(len(members)))
 
 
+def test_tanh_of_a_score_modifier_is_the_kernels_mod_tanh_and_of_a_mask_modifier_tanhf() -> None:
+    """A score modifier's tanh goes through mod_tanh (the hardware approximation in the 16-bit
+    kernels); a mask modifier decides with tanhf, as does a value hoisted into ModHead."""
+    from pycudaflash.mods import kernel_code
+
+    code = kernel_code(score_mod("30 * tanh(score / 30) + tanh(slope[h])", _tensors_used("slope[")),
+                       mask_mod("tanh(i * 0.01) < 0.5"))[1]
+    score_fn = code[code.index("float score_mod("):code.index("float score_mod_slope(")]
+    assert "mod_tanh(" in score_fn and "tanhf(" not in score_fn
+    assert "mod_tanh(" in code[code.index("float score_mod_slope("):code.index("bool mask_mod(")]
+    assert "tanhf(" in code[code.index("bool mask_mod("):] and "mod_tanh(" not in code[code.index("bool mask_mod("):]
+    assert "tanhf(" in code[code.index("ModHead mod_head("):code.index("float score_mod(")]
+
+
 # ------------------------------------------------- the reference with modifiers
 
 def _torch_attention(q, k, v, scale, score_fn, allowed):
