@@ -111,6 +111,19 @@ def test_modifiers_forward_and_backward(backend: str, dtype: str, mods: str, sha
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_capping_where_the_scores_reach_the_cap(backend: str, dtype: str) -> None:
+    """Soft-capping at 30 with scores of about +-32 (q times 4, scale 1): most scores sit where
+    tanh saturates (and where its derivative is small), the 16-bit kernels' tanh included."""
+    q, k, v, dout, kw = _problem("square", "softcap+prefix_lm", dtype)
+    q = (q.astype(np.float32) * 4).astype(q.dtype)
+    kw = dict(kw, scale=1.0)
+    out, lse = flash_attn_forward(q, k, v, **kw, backend=backend)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, **kw, backend=backend, deterministic=True)
+    _assert_matches(dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2]), q, k, v, dout, kw, backend, dtype)
+
+
+@pytest.mark.gpu
 def test_device_mod_tensors_are_read_in_place(cuda: None) -> None:
     """Mod tensors as torch CUDA tensors (read in place, no copy) through the torch operator,
     eagerly, with gradients; a repeated call reuses the plan with the new tensors' values."""
