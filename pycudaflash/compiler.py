@@ -73,18 +73,21 @@ HOPPER_PASSES = {"fwd": "fwd_sm90", "bwd": "bwd_sm90"}
 WG_THREADS = 128  # threads of a warpgroup
 
 
-def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none", mods: bool = False) -> bool:
+def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none", mods: bool = False,
+                  t: Optional["Tiles"] = None) -> bool:
     """Whether the Hopper version of pass ``kind`` covers a head-dim bucket and mask kind (and
     modifiers, ``mods``).
 
     At head dim 128 the backward keeps dK and dV of 64 keys in one
     warpgroup's registers; a float mask's addressing would then spill, and
     so would a modifier's code at head dims 96, 128 and 256: those cases
-    stay on the mma.sync kernel.
+    stay on the mma.sync kernel, unless the tile sizes ``t`` say
+    ``bwd90_mods``.
     """
     if kind == "fwd":
         return True
-    return not ((head_dim == 128 and mask_kind == "float") or (mods and head_dim in (96, 128, 256)))
+    mods_off = mods and head_dim in (96, 128, 256) and not (t is not None and t.bwd90_mods)
+    return not ((head_dim == 128 and mask_kind == "float") or mods_off)
 
 
 #: Input dtypes the kernels implement.
@@ -128,7 +131,8 @@ def pass_name(kind: str, dtype: str, arch: Optional[str] = None, head_dim: Optio
     if hopper is None:
         hopper = use_hopper_kernels()
     if (arch in HOPPER_ARCHES and kind in HOPPER_PASSES and hopper
-            and (head_dim is None or hopper_serves(kind, head_dim, mask_kind, mods))):
+            and (head_dim is None or hopper_serves(kind, head_dim, mask_kind, mods,
+                                                   tiles(head_dim, dtype, arch)))):
         return HOPPER_PASSES[kind]
     return f"{kind}_f16"
 
@@ -205,6 +209,9 @@ class Tiles:
     fwd90_mods_persist: int = 1
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
+    # 1: the Hopper backward takes modifiers at every head dim (hopper_serves
+    # leaves 96, 128 and 256 to mma.sync, where some expressions spill)
+    bwd90_mods: int = 0
 
 
 def _lean(arch: Optional[str]) -> bool:
@@ -401,7 +408,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
             out["BC"] = min(out["BC"], t.fwd90_mods_bc)
             out["FWD_PERSIST"] = int(out["FWD_PERSIST"] and t.fwd90_mods_persist > 0)
     elif pass_ == "bwd_sm90":
-        if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out):
+        if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out, t):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"
                              + (" and modifiers" if MOD_CODE in out else ""))
         # 3 warpgroups only where 168 registers suffice (not with a dense mask
