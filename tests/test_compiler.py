@@ -39,6 +39,20 @@ def test_hopper_backward_coverage(hopper_on: None) -> None:
             assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mk) == "fwd_sm90"
 
 
+def test_hopper_backward_with_modifiers(hopper_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With modifiers the Hopper backward serves head dims 64 and 192 only, unless the tile sizes
+    # say bwd90_mods for a bucket (then that bucket alone).
+    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
+    for hd in compiler.HEAD_DIM_BUCKETS_F16:
+        want = "bwd_f16" if hd in (96, 128, 256) else "bwd_sm90"
+        assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mods=True) == want
+        assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mods=True) == "fwd_sm90"
+    monkeypatch.setenv(compiler.TILES_ENV, "h128:bwd90_mods=1")
+    assert compiler.pass_name("bwd", "float16", "sm_90", 128, mods=True) == "bwd_sm90"
+    assert compiler.pass_name("bwd", "float16", "sm_90", 256, mods=True) == "bwd_f16"
+    assert compiler.pass_name("bwd", "float16", "sm_80", 128, mods=True) == "bwd_f16"
+
+
 def test_hopper_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(compiler.HOPPER_ENV, "0")
     assert compiler.pass_name("fwd", "float16", "sm_90", 128) == "fwd_f16"
