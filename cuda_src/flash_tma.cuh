@@ -25,7 +25,7 @@
 // consumer warpgroups among themselves without stopping the producer.
 
 #pragma once
-#include "flash_common_sm90.cuh"
+// (included by flash_common_sm90.cuh, after smem_addr, u32, u64 and fence_proxy_async)
 
 // A tensor map as the kernel receives it: 128 opaque bytes, 64-byte aligned
 // (a __grid_constant__ parameter or a member of one).

@@ -106,7 +106,7 @@ def test_encode_passes_the_map_to_the_driver_and_returns_its_128_bytes(monkeypat
 # with the box bytes and loads the tile's HEAD_DIM/64 boxes; all threads wait on it and copy the
 # swizzled shared memory out as it lies.
 PROBE = r"""
-#include "flash_tma.cuh"
+#include "flash_common_sm90.cuh"
 #define ROWS 64
 extern "C" __global__ void __launch_bounds__(256)
 tma_probe(const __grid_constant__ TmaMap map, unsigned short *out) {
