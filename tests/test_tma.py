@@ -148,6 +148,19 @@ def test_the_tma_header_compiles_for_sm90a(tmp_path: Path) -> None:
     assert "tma_probe" in r.stderr and " 0 bytes spill stores" in r.stderr
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_tma_forward_compiles_without_spills(tmp_path: Path) -> None:
+    """flash_fwd_sm90_tma.cu at head dim 128 (bfloat16, no mask; one job a block): the consumer
+    warpgroups' code fits the registers setmaxnreg gives them."""
+    defs = dict(compiler.defines("fwd_sm90", 128, "none", "bfloat16", "sm_90"), FWD_PERSIST=0)
+    r = subprocess.run(["nvcc", "--cubin", *compiler.options(defs), "-I", str(ROOT / "cuda_src"), "-arch", "sm_90a",
+                        "-Xptxas", "-v", str(ROOT / "cuda_src" / "flash_fwd_sm90_tma.cu"), "-o",
+                        str(tmp_path / "fwd.cubin")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    regs, spills, _ = compiler.parse_ptxas(r.stdout + r.stderr)
+    assert spills["flash_fwd_kernel"] == (0, 0) and regs["flash_fwd_kernel"] > 0
+
+
 def _unswizzle(tile: np.ndarray, atoms: int, rows: int) -> np.ndarray:
     """A [atoms][rows][64] 128-byte-swizzled tile of 16-bit words as a [rows][64 atoms] array."""
     t = tile.reshape(atoms, rows, 8, 8)  # (atom, row, 16-byte chunk as stored, word)
