@@ -88,3 +88,5 @@ __device__ __forceinline__ void hold_frag(u32 (&a)[KK][4]) {
 // the tensor core's asynchronous proxy; a barrier then publishes them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// TMA, mbarriers, register reallocation and named barriers.
+#include "flash_tma.cuh"

@@ -509,7 +509,7 @@ def _flatten(name: str, kdir: Path, seen: set) -> List[str]:
 #: ctypes type that lays them out as the C compilers do.
 FIELD_TYPES: Dict[str, Any] = {"i64": ctypes.c_int64, "long long": ctypes.c_int64, "int": ctypes.c_int32,
                                "u32": ctypes.c_uint32, "unsigned": ctypes.c_uint32, "float": ctypes.c_float,
-                               "unsigned long long": ctypes.c_uint64}
+                               "unsigned long long": ctypes.c_uint64, "u64": ctypes.c_uint64}
 #: Bytes a kernel's parameters may fill (the classic limit of every architecture).
 PARAM_LIMIT = 4096
 
@@ -605,18 +605,30 @@ def param_struct(pass_: str, name: str, defs: Tuple[Tuple[str, Any], ...] = ()) 
     with the defines."""
     variant = dict(defs)
     text = _strip_comments(variant_source(pass_, variant))
-    found = re.findall(r"\bstruct\s+" + re.escape(name) + r"\s*\{([^{}]*)\}\s*;", text)
+    found = re.findall(r"\bstruct\s+" + _ALIGNAS + re.escape(name) + r"\s*\{([^{}]*)\}\s*;", text)
     if len(found) != 1:
         raise ValueError(f"{pass_}: {len(found)} definitions of struct {name} in the source")
+    align, body = int(found[0][0] or 1), found[0][1]
     fields: List[Tuple[str, str]] = []
     ctypes_fields: List[Tuple[str, Any]] = []
     where = f"{pass_}: struct {name}"
-    for decl in filter(None, (d.strip() for d in _active(found[0], variant, where).split(";"))):
+    off = 0  # (the C layout: each field at a multiple of its alignment, which alignas may raise)
+
+    def place(field: str, t: Any) -> None:
+        nonlocal off, align
+        a = _alignment(t)
+        at = -(-off // a) * a
+        if at != -(-off // ctypes.alignment(t)) * ctypes.alignment(t):  # (ctypes would not pad enough)
+            ctypes_fields.append((f"_pad{len(ctypes_fields)}", ctypes.c_ubyte * (at - off)))
+        ctypes_fields.append((field, t))
+        off, align = at + ctypes.sizeof(t), max(align, a)
+
+    for decl in filter(None, (d.strip() for d in _active(body, variant, where).split(";"))):
         m = _FIELD_DECL.fullmatch(decl)
         if m is None:
             raise ValueError(f"{where}: cannot lay out the declaration {decl!r}")
         base = re.sub(r"\s+", " ", re.sub(r"\bconst\b", "", m.group(1))).strip()
-        if base not in FIELD_TYPES and re.search(r"\bstruct\s+" + re.escape(base) + r"\s*\{", text):
+        if base not in FIELD_TYPES and re.search(r"\bstruct\s+" + _ALIGNAS + re.escape(base) + r"\s*\{", text):
             ctype, layout = base, param_struct(pass_, base, defs).ctype
         else:
             ctype = _declared_type(m.group(1), where)
@@ -630,11 +642,27 @@ def param_struct(pass_: str, name: str, defs: Tuple[Tuple[str, Any], ...] = ()) 
             for n in reversed(dims):
                 t = t * n
             fields.append((field, ctype + "".join(f"[{n}]" for n in dims)))
-            ctypes_fields.append((field, t))
+            place(field, t)
     if not fields:
         raise ValueError(f"{where} has no fields")
-    layout = type(name, (ctypes.Structure,), {"_fields_": ctypes_fields})
+    size = -(-off // align) * align
+    natural = -(-off // max(ctypes.alignment(t) for _, t in ctypes_fields)) * max(
+        ctypes.alignment(t) for _, t in ctypes_fields)
+    if size != natural:  # (the tail padding of an over-aligned struct)
+        ctypes_fields.append((f"_pad{len(ctypes_fields)}", ctypes.c_ubyte * (size - off)))
+    layout = type(name, (ctypes.Structure,), {"_fields_": ctypes_fields, "_align_": align})
     return ParamStruct(name, tuple(fields), layout)
+
+
+# ``struct alignas(N) NAME {`` : the group is N (empty without alignas).
+_ALIGNAS = r"(?:alignas\s*\(\s*(\d+)\s*\)\s+)?"
+
+
+def _alignment(t: Any) -> int:
+    """The C alignment of a ctypes field type: its struct's ``alignas`` where it has one."""
+    while issubclass(t, ctypes.Array):
+        t = t._type_
+    return max(getattr(t, "_align_", 1), ctypes.alignment(t))
 
 
 _POINTER_PARAM = re.compile(r"(?:const\s+)?[A-Za-z_][\w ]*?\s*\*\s*(?:const\s+)?__restrict__\s+([A-Za-z_]\w*)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,8 +138,6 @@ def test_slow_compilation_is_announced_once(monkeypatch, capsys) -> None:
 def test_pass_sources_are_their_files_with_headers_inlined_once(tmp_path, monkeypatch) -> None:
     """``source()`` follows each file's own #include lines; a header edit changes the text (the
     disk cache's key), for every pass that includes it."""
-    import shutil
-
     kdir = tmp_path / "cuda_src"
     shutil.copytree(compiler.kernel_dir(), kdir)
     monkeypatch.setattr(compiler, "kernel_dir", lambda: kdir)
@@ -233,6 +232,57 @@ def test_kernel_params_are_read_from_the_signature_and_the_struct(tmp_path, monk
     assert st.size == ctypes.sizeof(st.ctype) == 40
     assert kp.size == 8 * 3 + 40
     assert kp.names() == ("Q", "O", "D", "Nq", "Nk", "q_sb", "q_sh", "scale", "flags", "total")
+
+
+_ALIGNED = """
+struct alignas(64) Map64 {
+    unsigned long long opaque[16];
+};
+struct Inner {
+    int a;
+    Map64 m;
+};
+struct AlignedParams {
+    int n;
+    Map64 k;
+    float s;
+    Map64 two[2];
+    Inner inner;
+    u64 last;
+    int tail;
+};
+"""
+
+
+def test_param_structs_follow_alignas(tmp_path, monkeypatch, fresh_caches) -> None:
+    """A member of an ``alignas`` struct sits at a multiple of its alignment, and a struct holding
+    one is padded to a multiple of it, as the C++ compiler lays them out (g++ is the oracle)."""
+    import ctypes
+
+    _with_source(tmp_path, monkeypatch, _ALIGNED)
+    st = compiler.param_struct("fwd", "AlignedParams")
+    assert [n for n, _ in st.fields] == ["n", "k", "s", "two", "inner", "last", "tail"]
+    got = {n: getattr(st.ctype, n).offset for n, _ in st.fields}
+    got["sizeof"] = ctypes.sizeof(st.ctype)
+    got["inner.m"] = compiler.param_struct("fwd", "Inner").ctype.m.offset
+    got["sizeof Inner"] = ctypes.sizeof(compiler.param_struct("fwd", "Inner").ctype)
+    # (what the C rules give: n 0, k 64, s 192, two 256, inner 512 (m at 64, 128 + 64 = 192 bytes), last 704,
+    # tail 712, size 768)
+    want = {"n": 0, "k": 64, "s": 192, "two": 256, "inner": 512, "last": 704, "tail": 712, "sizeof": 768,
+            "inner.m": 64, "sizeof Inner": 192}
+    assert got == want
+    if shutil.which("g++") is None:
+        return
+    cpp = tmp_path / "layout.cpp"
+    cpp.write_text("#include <cstdio>\n#include <cstddef>\ntypedef unsigned long long u64;\n" + _ALIGNED +
+                   "int main() { std::printf(\"%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n\", "
+                   "offsetof(AlignedParams, n), offsetof(AlignedParams, k), offsetof(AlignedParams, s), "
+                   "offsetof(AlignedParams, two), offsetof(AlignedParams, inner), offsetof(AlignedParams, last), "
+                   "offsetof(AlignedParams, tail), sizeof(AlignedParams), offsetof(Inner, m), sizeof(Inner)); }\n")
+    exe = tmp_path / "layout"
+    subprocess.run(["g++", "-std=c++17", str(cpp), "-o", str(exe)], check=True)
+    printed = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert printed == list(want.values())
 
 
 @pytest.mark.parametrize("signature, message", [
