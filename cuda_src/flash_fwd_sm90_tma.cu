@@ -21,8 +21,8 @@
 //
 // Assumptions: as flash_fwd_sm90.cu, and q, k, v described by tensor maps
 // (pycudaflash._tma: 16-byte aligned base and strides, no broadcast
-// dimension); maps[0..2] are those of q, k and v in global memory.  One job
-// (query tile) a block: grid (Tr, H, B).
+// dimension), args.q_map, k_map and v_map.  One job (query tile) a block:
+// grid (Tr, H, B).
 //
 // Tile layout: as flash_fwd_sm90.cu for the FWD_WGS consumer warpgroups
 // (threads 0 .. FWD_THREADS-1); the producer warpgroup is the last one.
@@ -32,8 +32,8 @@
 
 #include "flash_fwd_sm90.cuh"
 
-#if FWD_PERSIST
-#error "the TMA forward runs one job a block (FWD_PERSIST 0)"
+#if FWD_PERSIST || !FWD_TMA
+#error "the TMA forward runs one job a block (FWD_PERSIST 0) with tensor maps (FWD_TMA 1)"
 #endif
 #define KV_STAGES 2
 #define FWD_BLOCK_THREADS (FWD_THREADS + WG_THREADS)  // consumers, then the producer warpgroup
@@ -63,7 +63,7 @@ LAUNCH_SHAPE(flash_fwd_kernel, FWD_BLOCK_THREADS, BR, (BR + 2 * KV_STAGES * BC) 
 TILE_MAP(flash_fwd_kernel, BR, BC);
 
 extern "C" __global__ void __launch_bounds__(FWD_BLOCK_THREADS, 1)
-flash_fwd_kernel(const TmaMap *__restrict__ maps, elem_t *__restrict__ O, float *__restrict__ LSE,
+flash_fwd_kernel(elem_t *__restrict__ O, float *__restrict__ LSE,
                  const void *__restrict__ mask, const unsigned char *__restrict__ tmap,
                  const int *__restrict__ key_lengths, int Nq, int Nk, int D, const __grid_constant__ AttnParams args) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -101,21 +101,23 @@ flash_fwd_kernel(const TmaMap *__restrict__ maps, elem_t *__restrict__ O, float 
         // into the stage its consumers have released.
         regs_lower<PRODUCER_REGS>();
         if (tid == FWD_THREADS && tc_begin < tc_end) {
-            for (int m = 0; m < 3; ++m) tma_prefetch_map(&maps[m]);
+            tma_prefetch_map(&args.q_map);
+            tma_prefetch_map(&args.k_map);
+            tma_prefetch_map(&args.v_map);
             mbar_arrive_expect_tx(&q_full, Q_BYTES);
             for (int a = 0; a < HD_ATOMS; ++a)
-                tma_load(Qi + a * BR * SWZ_COLS, &maps[0], &q_full, a * SWZ_COLS, q0, jb.h, jb.b);
+                tma_load(Qi + a * BR * SWZ_COLS, &args.q_map, &q_full, a * SWZ_COLS, q0, jb.h, jb.b);
             PipeState<KV_STAGES> ps;
             for (int tc = tc_begin; tc < tc_end; tc = job_next_tile(jb, tc), ps.advance()) {
                 elem_t *Kst = Ks + ps.stage * BC * HDP, *Vst = Vs + ps.stage * BC * HDP;
                 mbar_wait(&k_empty[ps.stage], ps.parity ^ 1u);  // (a fresh stage passes)
                 mbar_arrive_expect_tx(&k_full[ps.stage], KV_BYTES);
                 for (int a = 0; a < HD_ATOMS; ++a)
-                    tma_load(Kst + a * BC * SWZ_COLS, &maps[1], &k_full[ps.stage], a * SWZ_COLS, tc * BC, hk, jb.b);
+                    tma_load(Kst + a * BC * SWZ_COLS, &args.k_map, &k_full[ps.stage], a * SWZ_COLS, tc * BC, hk, jb.b);
                 mbar_wait(&v_empty[ps.stage], ps.parity ^ 1u);
                 mbar_arrive_expect_tx(&v_full[ps.stage], KV_BYTES);
                 for (int a = 0; a < HD_ATOMS; ++a)
-                    tma_load(Vst + a * BC * SWZ_COLS, &maps[2], &v_full[ps.stage], a * SWZ_COLS, tc * BC, hk, jb.b);
+                    tma_load(Vst + a * BC * SWZ_COLS, &args.v_map, &v_full[ps.stage], a * SWZ_COLS, tc * BC, hk, jb.b);
             }
         }
         return;

@@ -20,6 +20,12 @@
 
 #pragma once
 
+// A tensor map as a kernel receives it (pycudaflash._tma, flash_tma.cuh): 128
+// opaque bytes, 64-byte aligned, here a member of the parameter struct.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+
 struct AttnParams {
     // Both passes.
     i64 q_sb, q_sh, q_sn;
@@ -65,5 +71,10 @@ struct AttnParams {
     // The tensors the score and mask modifiers read (their data addresses
     // written by each call).
     ModTensors mods;
+#endif
+#if FWD_TMA
+    // The tensor maps of q, k and v (flash_fwd_sm90_tma.cu), encoded for
+    // each call's addresses.
+    TmaMap q_map, k_map, v_map;
 #endif
 };

@@ -27,11 +27,7 @@
 #pragma once
 // (included by flash_common_sm90.cuh, after smem_addr, u32, u64 and fence_proxy_async)
 
-// A tensor map as the kernel receives it: 128 opaque bytes, 64-byte aligned
-// (a __grid_constant__ parameter or a member of one).
-struct alignas(64) TmaMap {
-    u64 opaque[16];
-};
+// (TmaMap, a tensor map as the kernel receives it: flash_params.cuh.)
 
 // ---------------------------------------------------------------- mbarriers
 

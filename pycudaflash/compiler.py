@@ -58,9 +58,13 @@ PASSES: Dict[str, str] = {
     "bwd_f16": "flash_bwd_f16.cu",
     "fwd_sm90": "flash_fwd_sm90.cu",
     "bwd_sm90": "flash_bwd_sm90.cu",
+    "fwd_sm90_tma": "flash_fwd_sm90_tma.cu",
 }
 #: Passes built for an architecture-specific target (wgmma needs sm_90a).
-PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a"}
+PASS_ARCH: Dict[str, str] = {"fwd_sm90": "sm_90a", "bwd_sm90": "sm_90a", "fwd_sm90_tma": "sm_90a"}
+#: The Hopper forward that loads through the TMA from a producer warp: a plan takes it
+#: instead of fwd_sm90 where the tile sizes say fwd90_tma and q, k, v have tensor maps.
+TMA_PASSES = {"fwd_sm90": "fwd_sm90_tma"}
 #: Architectures whose 16-bit passes are the Hopper (wgmma) kernels, and the
 #: environment variable that turns them off (``0``: use the mma.sync kernels).
 HOPPER_ARCHES = ("sm_90",)
@@ -207,6 +211,9 @@ class Tiles:
     # score): keys per step (at most fwd90_bc) and whether its blocks persist
     fwd90_mods_bc: int = 64
     fwd90_mods_persist: int = 1
+    # 1: the Hopper forward loads through the TMA from a producer warp where it can
+    # (flash_fwd_sm90_tma.cu; one job a block; not through the C++ host path yet)
+    fwd90_tma: int = 0
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
     # 1: the Hopper backward takes modifiers at every head dim (hopper_serves
@@ -391,7 +398,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
     if half:
         out["ELEM_BF16"] = int(dtype == "bfloat16")
         out["LEAN_REGISTERS"] = int(_lean(arch))  # (the register budget class of the architecture)
-    if pass_ == "fwd_sm90":
+    if pass_ in ("fwd_sm90", "fwd_sm90_tma"):
         if not t.fwd90_bc:
             raise ValueError(f"pass {pass_!r} has no tiles for arch {arch}")
         # A dense mask's addressing needs registers: D 256 then takes 32 keys a
@@ -407,6 +414,8 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         if MOD_CODE in out:
             out["BC"] = min(out["BC"], t.fwd90_mods_bc)
             out["FWD_PERSIST"] = int(out["FWD_PERSIST"] and t.fwd90_mods_persist > 0)
+        if pass_ == "fwd_sm90_tma":  # (one job a block, the maps in the parameter struct)
+            out.update(FWD_PERSIST=0, FWD_MINB=1, FWD_TMA=1)
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out, t):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _driver, compiler
+from . import _driver, _tma, compiler
 from ._validate import kernel_array, kernel_dtype
 from .mods import kernel_code
 from ._problem import Operand, Problem
@@ -381,18 +381,22 @@ class _Variant:
 _variants: Dict[Tuple, _Variant] = {}
 
 
-def _variant(prob: Problem, kind: str) -> _Variant:
-    """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised)."""
+def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
+    """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised); with ``tma``
+    the TMA version of the pass (:data:`compiler.TMA_PASSES`)."""
     dt = _kernel_dtype(prob)
     env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
     groups = prob.kv_heads != prob.H
     names, code = ((), None) if prob.plain else kernel_code(prob.score_mod, prob.mask_mod)
-    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, groups, env, code)
+    key = (compiler.context_key(), kind, dt, compiler.head_dim_bucket(prob.D, dt), prob.mask_kind, groups, env, code,
+           tma)
     var = _variants.get(key)
     if var is None:
         arch = compiler.arch_of_current_device()
         hd = key[3]
         pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, mods=not prob.plain)
+        if tma:
+            pass_ = compiler.TMA_PASSES[pass_]
         defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch, groups=groups,
                                 mods=(prob.score_mod, prob.mask_mod))
         var = _variants[key] = _Variant(pass_, defs, compiler.tiles(hd, dt, arch), hd, dt, arch, names)
@@ -520,6 +524,7 @@ class _Plan:
     MAP0: int  # value slot of the first block map a BlockMap holds (after the modifiers' slots)
     map_specs: List[Tuple[Any, ...]]  # those maps: (builder, br, bc, planes_b, planes_h, bytes), in their slots
     map_builders: List[_Kernel]  # the launch that builds each one
+    tma_maps: Tuple[Any, ...] = ()  # tensor maps of q, k, v (pycudaflash._tma) the struct carries
 
     def _describe(self, prob: Problem, kind: str) -> None:
         self.shapes, self.dtype = _output_shapes(prob, kind), prob.dtype
@@ -642,6 +647,8 @@ class _Plan:
             vals[self.CNT] = _job_counter(ctx, stream)
         with self._lock:  # (the pointer slots are the plan's: one call at a time)
             self.pointers.fill(vals)
+            if self.tma_maps:
+                self._set_maps(vals)
             if self._mod_data is not None:  # (the modifiers' tensors: addresses in the struct)
                 self._mod_data[:len(self.mod_names)] = vals[self.MOD0:self.MOD0 + len(self.mod_names)]
             for k in builds:
@@ -653,8 +660,8 @@ class _Plan:
         """The plan as int64 words for the C++ host path (``pycudaflash/csrc/torch_ops.cpp``, which
         documents the layout), its job counter that of ``stream``.  Plans with modifiers, whose
         struct holds a call's tensor addresses, and host key lengths stay with :meth:`launch`."""
-        if self.mod_names or self.map_specs:
-            raise ValueError("a plan with modifier tensors or a BlockMap's maps cannot be exported")
+        if self.mod_names or self.map_specs or self.tma_maps:
+            raise ValueError("a plan with modifier tensors, a BlockMap's maps or tensor maps cannot be exported")
         counter = 0
         if self.counter:
             _, pushed = _driver.enter(_driver.context_device(ctx))
@@ -705,6 +712,9 @@ class ForwardPlan(_Plan):
 
     def __init__(self, prob: Problem, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> None:
         var = self._begin(prob, "fwd")
+        self.tma_maps = self._tma_maps(prob, var, strides, aligned)
+        if self.tma_maps:
+            var = _variant(prob, "fwd", tma=True)
         B, H, Nq, D = prob.B, prob.H, prob.Nq, prob.D
         ws = _Workspace()
         self.kl_offset = ws.region(4 * B) if prob.key_lengths is not None else -1
@@ -724,6 +734,10 @@ class ForwardPlan(_Plan):
         grid = ((Nq + shape.tile - 1) // shape.tile, H, B)
         pointers = dict(Q=_Ref(self.Q), K=_Ref(self.K), V=_Ref(self.V), O=_Ref(self.O), LSE=_Ref(self.L),
                         mask=mask_ref, key_lengths=_Ref(self.KL))  # (key lengths 0: none)
+        if self.tma_maps:  # (q, k and v reach the TMA forward through their maps)
+            for name in ("Q", "K", "V"):
+                del pointers[name]
+            self._tma_key: Optional[Tuple[int, int, int]] = None
         self.counter = False
         if var.pass_ == "fwd_sm90":
             # Jobs: query tiles of every (batch, head).  Persistent blocks take
@@ -743,6 +757,34 @@ class ForwardPlan(_Plan):
         kernels.append(self._kernel(var, "flash_fwd_kernel", grid, **pointers, tmap=maps["flash_fwd_kernel"]))
         self._finish(kernels, ws, var.pass_)
 
+
+    @staticmethod
+    def _tma_maps(prob: Problem, var: _Variant, strides: Dict[str, Tuple[int, ...]], aligned: bool) -> Tuple[Any, ...]:
+        """The tensor maps of q, k and v where the TMA forward serves the call (a pass with a TMA
+        version, tile sizes that say ``fwd90_tma``, 16-byte aligned operands that maps can
+        describe: :func:`pycudaflash._tma.tma_reason`); () where it does not."""
+        if var.pass_ not in compiler.TMA_PASSES or not var.tiles.fwd90_tma or not aligned:
+            return ()
+        tvar = _variant(prob, "fwd", tma=True)
+        br, bc = tvar.shape("flash_fwd_kernel").tile, int(tvar.defs["BC"])
+        dt = _kernel_dtype(prob)
+        kv = (prob.B, prob.kv_heads, prob.Nk, prob.D)
+        ops = (((prob.B, prob.H, prob.Nq, prob.D), strides["q"], br), (kv, strides["k"], bc), (kv, strides["v"], bc))
+        if any(_tma.tma_reason(shape, st, dt, rows) is not None for shape, st, rows in ops):
+            return ()
+        return tuple(_tma.tile_map(shape, st, dt, rows) for shape, st, rows in ops)
+
+    def _set_maps(self, vals: Sequence[int]) -> None:
+        """The struct's q_map, k_map and v_map for the call's q, k and v (encoded again only when
+        those addresses change; a launch copies the struct, so a captured graph keeps them)."""
+        key = (int(vals[self.Q]), int(vals[self.K]), int(vals[self.V]))
+        if key == self._tma_key:
+            return
+        base = ctypes.addressof(self.struct)
+        for name, tm, ptr in zip(("q_map", "k_map", "v_map"), self.tma_maps, key):
+            raw = _tma.encode(tm, ptr)
+            ctypes.memmove(base + getattr(type(self.struct), name).offset, raw, len(raw))
+        self._tma_key = key
 
 def _job_group_shift(prob: Problem, fixed: int, itemsize: int) -> int:
     """log2 of the (batch, head) pairs per group of the persistent forward's job order.

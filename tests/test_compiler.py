@@ -158,7 +158,7 @@ def test_pass_sources_are_their_files_with_headers_inlined_once(tmp_path, monkey
     compiler.source.cache_clear()
     after = {p: compiler.source(p) for p in compiler.PASSES}
     compiler.source.cache_clear()
-    assert {p for p in compiler.PASSES if after[p] != before[p]} == {"fwd_sm90", "bwd_sm90"}
+    assert {p for p in compiler.PASSES if after[p] != before[p]} == {"fwd_sm90", "bwd_sm90", "fwd_sm90_tma"}
 
 
 def test_a_missing_include_is_named(tmp_path, monkeypatch) -> None:

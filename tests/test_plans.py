@@ -180,6 +180,9 @@ class _FakeVariant:
     def map_tile(self, kernel: str) -> tuple:
         return {"flash_bwd_dkdv_kernel": (64, 128), "flash_bwd_dq_kernel": (64, 64)}[kernel]
 
+    def resident_blocks(self, kernel: str) -> int:
+        return 1
+
 
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_backward_plan_of_grouped_heads(monkeypatch: pytest.MonkeyPatch, hkv: int) -> None:
@@ -412,3 +415,65 @@ def test_a_block_map_holds_the_maps_and_builds_them_once(monkeypatch: pytest.Mon
         cuda_backend.launch_plan(plan, plan.values([0] * 10), 77, 5, None, 0x9000000, mods, other)
     # (nothing is allocated while capturing: an allocation would end the capture)
     assert not other._maps and freed == [] and next(allocs) == 0x3000 and len(launched) == 2
+
+
+@pytest.mark.parametrize("aligned, row_pad, want_tma", [(True, 0, True), (False, 0, False), (True, 4, False)])
+def test_the_tma_forward_plan_carries_tensor_maps_encoded_per_addresses(monkeypatch: pytest.MonkeyPatch,
+                                                                        aligned: bool, row_pad: int,
+                                                                        want_tma: bool) -> None:
+    """Where the tile sizes say fwd90_tma and q, k, v are aligned and describable, the forward plan
+    takes the TMA pass: its kernel gets no q, k, v pointers, the struct carries their maps, and a
+    launch encodes them again only for new addresses; otherwise (unaligned operands, rows of
+    264 bytes) the plan keeps fwd_sm90."""
+    import dataclasses
+
+    import ml_dtypes
+
+    from pycudaflash import _tma, cuda_backend
+
+    tiles = dataclasses.replace(compiler.tiles(128, "bfloat16", "sm_90"), fwd90_tma=1)
+    fakes = {}
+    for tma, pass_, threads in ((False, "fwd_sm90", 256), (True, "fwd_sm90_tma", 384)):
+        fakes[tma] = _FakeVariant(pass_, compiler.defines(pass_, 128, "none", "bfloat16", "sm_90", groups=True),
+                                  {"flash_fwd_kernel": (threads, 128)})
+        fakes[tma].tiles = tiles
+    monkeypatch.setattr(cuda_backend, "_variant", lambda prob, kind, tma=False: fakes[tma])
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda: 132)
+    monkeypatch.setattr(_driver, "_libcuda_raw", lambda name: _FakeLaunch())
+    encoded = []
+    monkeypatch.setattr(_tma, "encode", lambda tm, ptr: encoded.append((tm, ptr)) or bytes([len(encoded)]) * 128)
+    B, H, Hkv, Nq, Nk, D = 2, 4, 2, 100, 150, 128
+    bf16 = ml_dtypes.bfloat16
+    q = np.ones((B, H, Nq, D + row_pad), bf16)[..., :D]
+    k, v = (np.ones((B, Hkv, Nk, D), bf16) for _ in range(2))
+    prob = _validate.validate_forward(q, k, v, causal=True)
+    names = cuda_backend.OPERANDS["fwd"][:-1]
+    shapes = dict(zip((names[i] for i in cuda_backend.ForwardPlan.OUTPUTS), cuda_backend._output_shapes(prob, "fwd")))
+    strides = cuda_backend._plan_strides(prob, names, shapes)
+    plan = cuda_backend.ForwardPlan(prob, strides, aligned)
+    fwd = next(kk for kk in plan.kernels if kk.name == "flash_fwd_kernel")
+    pointers = compiler.kernel_params(plan.pass_, "flash_fwd_kernel", tuple(sorted(fakes[want_tma].defs.items()))).pointers
+    if not want_tma:
+        assert plan.pass_ == "fwd_sm90" and plan.tma_maps == () and "Q" in pointers
+        return
+    assert plan.pass_ == "fwd_sm90_tma" and not {"Q", "K", "V"} & set(pointers)
+    # (the maps as the kernel's struct holds them: 128 bytes each, 64-byte aligned)
+    assert all(getattr(type(plan.struct), m).offset % 64 == 0 and getattr(type(plan.struct), m).size == 128
+               for m in ("q_map", "k_map", "v_map"))
+    assert fwd.grid == (-(-Nq // 128), H, B)
+    bc = fakes[True].defs["BC"]
+    assert plan.tma_maps == (_tma.tile_map((B, H, Nq, D), strides["q"], "bfloat16", 128),
+                             _tma.tile_map((B, Hkv, Nk, D), strides["k"], "bfloat16", bc),
+                             _tma.tile_map((B, Hkv, Nk, D), strides["v"], "bfloat16", bc))
+    P = cuda_backend.ForwardPlan
+    vals = plan.values([0x10000, 0x20000, 0x30000, 0x40000, 0x50000, 0])
+    for _ in range(2):
+        plan.launch(list(vals), 77, 5)
+    assert [ptr for _, ptr in encoded] == [0x10000, 0x20000, 0x30000]  # (once for the same addresses)
+    assert [bytes(getattr(plan.struct, m)) for m in ("q_map", "k_map", "v_map")] == [bytes([n]) * 128 for n in (1, 2, 3)]
+    vals[P.Q] = 0x60000
+    plan.launch(list(vals), 77, 5)
+    assert [ptr for _, ptr in encoded[3:]] == [0x60000, 0x20000, 0x30000]
+    assert bytes(plan.struct.q_map) == bytes([4]) * 128
+    with pytest.raises(ValueError, match="tensor maps cannot be exported"):
+        plan.export(77, 5)

@@ -149,16 +149,15 @@ def test_the_tma_header_compiles_for_sm90a(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_the_tma_forward_compiles_without_spills(tmp_path: Path) -> None:
-    """flash_fwd_sm90_tma.cu at head dim 128 (bfloat16, no mask; one job a block): the consumer
-    warpgroups' code fits the registers setmaxnreg gives them."""
-    defs = dict(compiler.defines("fwd_sm90", 128, "none", "bfloat16", "sm_90"), FWD_PERSIST=0)
-    r = subprocess.run(["nvcc", "--cubin", *compiler.options(defs), "-I", str(ROOT / "cuda_src"), "-arch", "sm_90a",
-                        "-Xptxas", "-v", str(ROOT / "cuda_src" / "flash_fwd_sm90_tma.cu"), "-o",
-                        str(tmp_path / "fwd.cubin")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    regs, spills, _ = compiler.parse_ptxas(r.stdout + r.stderr)
-    assert spills["flash_fwd_kernel"] == (0, 0) and regs["flash_fwd_kernel"] > 0
+@pytest.mark.parametrize("head_dim, mask_kind", [(64, "none"), (128, "none"), (256, "bool")])
+def test_the_tma_forward_compiles_without_spills(head_dim: int, mask_kind: str) -> None:
+    """The TMA forward (bfloat16, one job a block): the consumer warpgroups' code fits the
+    registers setmaxnreg gives them."""
+    defs = compiler.defines("fwd_sm90_tma", head_dim, mask_kind, "bfloat16", "sm_90")
+    assert (defs["FWD_PERSIST"], defs["FWD_TMA"]) == (0, 1)
+    r = compiler.compile_offline("fwd_sm90_tma", defs, "sm_90")
+    assert r.ok, r.log[-3000:]
+    assert r.spills["flash_fwd_kernel"] == (0, 0) and r.registers["flash_fwd_kernel"] > 0
 
 
 def _unswizzle(tile: np.ndarray, atoms: int, rows: int) -> np.ndarray:
@@ -228,3 +227,46 @@ def test_boxes_land_swizzled_with_zeros_past_the_tensor(cuda: None, shape, layou
             want = np.zeros_like(plane)
             want[:N, :D] = x[b, h]
             assert np.array_equal(plane, want), (b, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["plain", "causal_key_lengths_nan", "gqa_bnhd_window"])
+def test_the_tma_forward_gives_the_cp_async_forwards_results_bit_for_bit(cuda: None, monkeypatch, head_dim: int,
+                                                                          case: str) -> None:
+    """With fwd90_tma the plan takes the TMA forward; it runs the same arithmetic in the same order
+    as fwd_sm90, so out and lse are equal to the bit.  NaN stored in the keys and values past the
+    key lengths (which boundary tiles hold) changes nothing."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    import pycudaflash
+    from pycudaflash import _validate, cuda_backend
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA forward needs sm_90")
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    B, H, Nq, Nk = 2, 4, 300, 333
+    hkv = 2 if case.startswith("gqa") else H
+    mk = lambda h, n: torch.randn(B, h, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = mk(H, Nq), mk(hkv, Nk), mk(hkv, Nk)
+    kw: dict = {}
+    if case == "causal_key_lengths_nan":
+        kl = torch.tensor([333, 190], device="cuda", dtype=torch.int32)
+        k[1, :, 190:] = float("nan")
+        v[1, :, 190:] = float("nan")
+        kw = dict(causal=True, key_lengths=kl)
+    elif case == "gqa_bnhd_window":
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        kw = dict(causal=True, window=(100, 0))
+    runs = {}
+    for tma in (0, 1):
+        monkeypatch.setenv("PYCUDAFLASH_TILES", f"h{head_dim}:fwd90_tma={tma}")
+        pycudaflash.clear_plans()
+        plan = cuda_backend.plan(_validate.validate_forward(q, k, v, **kw), "fwd")[0]
+        assert plan.pass_ == ("fwd_sm90_tma" if tma else "fwd_sm90")
+        out, lse = pycudaflash.flash_attn_forward(q, k, v, **kw)
+        torch.cuda.synchronize()
+        runs[tma] = (out, lse)
+    pycudaflash.clear_plans()
+    (o0, l0), (o1, l1) = runs[0], runs[1]
+    assert not torch.isnan(o1).any()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
