@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterable, Mapping, NamedTuple, Optional, Sequence,
 import numpy as np
 
 from . import blockmap, semantics
-from ._arrays import as_operand, broadcast_operand, describe_kind, is_device_array, is_read_only, overlaps
+from ._arrays import (as_operand, broadcast_operand, byte_span, describe_kind, is_device_array, is_read_only,
+                      overlaps, shares_memory)
 from ._problem import Operand, Problem
 
 __all__ = [
@@ -535,18 +536,19 @@ def _check_mods(score_mod: Any, mask_mod: Any, mod_tensors: Any, on_device: bool
                 raise TypeError(f"mod_tensors[{name!r}] is a device array but q, k and v are host arrays")
             described[name] = tensors[name] = _device_mod_tensor(name, t)
         else:
-            a = np.asarray(t)
-            described[name] = a
-            tensors[name] = kernel_array(name, a) if on_device else a
-        if any(int(n) < 1 for n in described[name].shape):
-            raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(described[name].shape)}")
+            described[name] = np.asarray(t)
+        shape = described[name].shape
+        if any(int(n) < 1 for n in shape):
+            raise ValueError(f"mod_tensors[{name!r}] has an empty dimension: shape {tuple(shape)}")
         if on_device:
-            t = tensors[name]
-            shape, strides = (t.shape, t.strides) if isinstance(t, Operand) else (t.shape, (1,) * t.ndim)
-            span = 1 + sum((int(n) - 1) * int(st) for n, st in zip(shape, strides))
+            # (a host tensor is copied contiguous: it spans all its elements; checked before the copy)
+            t = described[name]
+            span = byte_span(shape, t.strides, 1) if isinstance(t, Operand) else int(np.prod(shape, dtype=object))
             if span > MOD_SPAN_MAX:
                 raise ValueError(f"mod_tensors[{name!r}] spans {span} elements; the kernels address a modifier "
                                  f"tensor with 32-bit offsets (at most {MOD_SPAN_MAX} elements)")
+        if name not in tensors:
+            tensors[name] = kernel_array(name, described[name]) if on_device else described[name]
     out = []
     for m, role in ((score_mod, "score"), (mask_mod, "mask")):
         if m is None:
@@ -579,11 +581,7 @@ def _check_mod_tensors_apart(ops: Dict[str, Optional[Operand]], outputs: Sequenc
     """No output buffer may share memory with a modifier tensor (an input like the others)."""
     for name, t in (tensors or {}).items():
         for op in _present(ops, outputs):
-            if isinstance(t, Operand):
-                hit = overlaps(op, t)
-            else:
-                hit = op.kind == "host" and bool(np.shares_memory(op.array, t, max_work=100_000))
-            if hit:
+            if overlaps(op, t) if isinstance(t, Operand) else (op.kind == "host" and shares_memory(op.array, t)):
                 raise ValueError(f"output buffer {op.name} overlaps mod_tensors[{name!r}]: outputs must not share "
                                  "memory with the inputs or with each other")
 

@@ -262,31 +262,29 @@ class _Parser:
 # ------------------------------------------------------------ the modifier
 
 
+def _children(node: Node) -> Tuple[Node, ...]:
+    """The operands of a node (none for numbers and names)."""
+    if isinstance(node, (Var, Num)):
+        return ()
+    if isinstance(node, Load):
+        return node.index
+    if isinstance(node, Unary):
+        return (node.x,)
+    if isinstance(node, (Bin, Cmp)):
+        return (node.a, node.b)
+    return node.args
+
+
 def _uses(node: Node, name: str) -> bool:
     if isinstance(node, Var):
         return node.name == name
-    if isinstance(node, Num):
-        return False
-    if isinstance(node, Load):
-        return any(_uses(x, name) for x in node.index)
-    if isinstance(node, Unary):
-        return _uses(node.x, name)
-    if isinstance(node, (Bin, Cmp)):
-        return _uses(node.a, name) or _uses(node.b, name)
-    return any(_uses(x, name) for x in node.args)
+    return any(_uses(x, name) for x in _children(node))
 
 
 def _loads(node: Node) -> set:
     """Names of the tensors ``node`` reads."""
-    if isinstance(node, (Var, Num)):
-        return set()
-    if isinstance(node, Load):
-        return {node.tensor}.union(*(_loads(x) for x in node.index))
-    if isinstance(node, Unary):
-        return _loads(node.x)
-    if isinstance(node, (Bin, Cmp)):
-        return _loads(node.a) | _loads(node.b)
-    return set().union(*(_loads(x) for x in node.args))
+    own = {node.tensor} if isinstance(node, Load) else set()
+    return own.union(*(_loads(x) for x in _children(node)))
 
 
 class Modifier:
@@ -740,9 +738,7 @@ def _head_values(nodes: Tuple[Node, ...]) -> Dict[Node, str]:
         if _loads(n) and not any(_uses(n, p) for p in (SCORE, "i", "j")):
             out.setdefault(n, f"v{len(out)}")
             return
-        kids = (n.index if isinstance(n, Load) else (n.x,) if isinstance(n, Unary)
-                else (n.a, n.b) if isinstance(n, (Bin, Cmp)) else n.args)
-        for x in kids:
+        for x in _children(n):
             walk(x)
 
     for n in nodes:

@@ -576,3 +576,9 @@ def test_a_modifier_tensor_past_32_bit_offsets_is_rejected() -> None:
         else:
             with pytest.raises(ValueError, match=f"spans {span} elements"):
                 call()
+    # A host tensor is copied contiguous, so it spans all its elements whatever its strides:
+    # refused before that copy (a broadcast view of one element here, which the copy would make 2 GB).
+    shape = (2 ** 16, 2 ** 15 + 1)
+    keep = np.broadcast_to(np.ones((1, 1), bool), shape)
+    with pytest.raises(ValueError, match=f"spans {shape[0] * shape[1]} elements"):
+        validate_forward(q, k, v, mask_mod="keep[i % 2, j % 2]", mod_tensors=dict(keep=keep))
