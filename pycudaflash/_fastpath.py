@@ -36,7 +36,7 @@ ENV = "PYCUDAFLASH_TORCH_CPP"
 SOURCE = Path(__file__).with_name("csrc") / "torch_ops.cpp"
 #: Entry points of libcuda the library calls, in the order ``pycudaflash_fast_init`` takes them.
 DRIVER_ENTRY_POINTS = ("cuLaunchKernel", "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2",
-                       "cuGetErrorName")
+                       "cuGetErrorName", "cuTensorMapEncodeTiled")
 
 _lock = threading.Lock()
 _state: Optional[bool] = None  # None: not tried; True: loaded; False: off or failed

@@ -98,19 +98,38 @@ def tile_map(shape: Sequence[int], strides: Sequence[int], dtype: str, rows: int
     return TileMap(dtype, (D, N, H, B), tuple(out), (ATOM_BYTES // es, rows, 1, 1))
 
 
+#: ``cuTensorMapEncodeTiled``'s enumeration values of every map here (the driver's ABI, as cuda.h
+#: numbers them): data types, no interleave, the 128-byte swizzle, L2 promotion of 256 bytes and
+#: out-of-bounds elements read as zeros.
+DATA_TYPES = {"float16": 6, "bfloat16": 9}
+INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZEROS = 0, 3, 3, 0
+
+
+def encode_args(tm: TileMap) -> Tuple[int, ...]:
+    """The integer arguments of ``cuTensorMapEncodeTiled`` for ``tm`` after the base address, as
+    the C++ host path receives them: data type, rank, then ``rank`` dims, ``rank - 1`` byte
+    strides, ``rank`` box extents, ``rank`` element strides, interleave, swizzle, L2 promotion,
+    out-of-bounds fill."""
+    rank = len(tm.dims)
+    return (DATA_TYPES[tm.dtype], rank, *tm.dims, *tm.strides, *tm.box, *([1] * rank),
+            INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZEROS)
+
+
 def encode(tm: TileMap, ptr: int) -> bytes:
     """The 128 bytes of ``tm`` over the operand at device address ``ptr`` (16-byte aligned),
     from the driver (``cuTensorMapEncodeTiled``)."""
     if int(ptr) % ALIGN:
         raise ValueError(f"a tensor map's base address must be {ALIGN}-byte aligned, got {int(ptr):#x}")
     d = _driver.driver()
-    dt = {"float16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-          "bfloat16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[tm.dtype]
-    m = _driver.check("cuTensorMapEncodeTiled", dt, 4, int(ptr), [d.cuuint64_t(x) for x in tm.dims],
-                      [d.cuuint64_t(x) for x in tm.strides], [d.cuuint32_t(x) for x in tm.box],
-                      [d.cuuint32_t(1)] * 4, d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                      d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    a = encode_args(tm)
+    rank = a[1]
+    dims, strides = a[2:2 + rank], a[2 + rank:1 + 2 * rank]
+    box, elem = a[1 + 2 * rank:1 + 3 * rank], a[1 + 3 * rank:1 + 4 * rank]
+    interleave, swizzle, l2, oob = a[1 + 4 * rank:]
+    m = _driver.check("cuTensorMapEncodeTiled", d.CUtensorMapDataType(a[0]), rank, int(ptr),
+                      [d.cuuint64_t(x) for x in dims], [d.cuuint64_t(x) for x in strides],
+                      [d.cuuint32_t(x) for x in box], [d.cuuint32_t(x) for x in elem],
+                      d.CUtensorMapInterleave(interleave), d.CUtensorMapSwizzle(swizzle),
+                      d.CUtensorMapL2promotion(l2), d.CUtensorMapFloatOOBfill(oob))
     words = [int(w) for w in m.opaque]
     return struct.pack(f"<{len(words)}Q", *words)

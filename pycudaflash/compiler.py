@@ -83,15 +83,28 @@ def hopper_serves(kind: str, head_dim: int, mask_kind: str = "none", mods: bool 
     modifiers, ``mods``).
 
     At head dim 128 the backward keeps dK and dV of 64 keys in one
-    warpgroup's registers; a float mask's addressing would then spill, and
-    so would a modifier's code at head dims 96, 128 and 256: those cases
-    stay on the mma.sync kernel, unless the tile sizes ``t`` say
-    ``bwd90_mods``.
+    warpgroup's registers; a float mask's addressing would then spill: that
+    case stays on the mma.sync kernel.  With a modifier's code at the head
+    dims of :data:`MODS_SPILL_BUCKETS` the backward serves where the tile
+    sizes ``t`` allow it (``bwd90_mods`` >= 0); whether a given expression
+    takes it depends on its compiled code (:func:`spill_checked`).
     """
     if kind == "fwd":
         return True
-    mods_off = mods and head_dim in (96, 128, 256) and not (t is not None and t.bwd90_mods)
+    mods_off = mods and head_dim in MODS_SPILL_BUCKETS and (t is None or t.bwd90_mods < 0)
     return not ((head_dim == 128 and mask_kind == "float") or mods_off)
+
+
+#: Head-dim buckets where the Hopper backward with a modifier's code spills for some expressions
+#: (ALiBi with a document mask at 128: 256 bytes), not for others (ALiBi alone, a document mask).
+MODS_SPILL_BUCKETS = (96, 128, 256)
+
+
+def spill_checked(pass_: str, head_dim: int, mods: bool) -> bool:
+    """Whether a variant is taken only where its compiled dK/dV kernel keeps at most
+    ``Tiles.bwd90_mods`` bytes a thread in local memory (else the mma.sync pass serves): the
+    Hopper backward with a modifier's code at :data:`MODS_SPILL_BUCKETS`."""
+    return pass_ == HOPPER_PASSES["bwd"] and mods and head_dim in MODS_SPILL_BUCKETS
 
 
 #: Input dtypes the kernels implement.
@@ -212,13 +225,15 @@ class Tiles:
     fwd90_mods_bc: int = 64
     fwd90_mods_persist: int = 1
     # 1: the Hopper forward loads through the TMA from a producer warp where it can
-    # (flash_fwd_sm90_tma.cu; one job a block; not through the C++ host path yet)
+    # (flash_fwd_sm90_tma.cu; one job a block)
     fwd90_tma: int = 0
     bwd90_br: int = 0  # query rows per step of the Hopper backward
     bwd90_wgs: int = 2  # warpgroups (of 64 keys, up to head dim 128) per block of the Hopper backward
-    # 1: the Hopper backward takes modifiers at every head dim (hopper_serves
-    # leaves 96, 128 and 256 to mma.sync, where some expressions spill)
-    bwd90_mods: int = 0
+    # The Hopper backward with a modifier's code at MODS_SPILL_BUCKETS: taken
+    # where its dK/dV kernel has at most this many bytes of local memory a
+    # thread (spills; else mma.sync serves), -1 never.  H200, head dim 128:
+    # soft-capping with 8 bytes of spill loads 5.04 ms, mma.sync 7.15.
+    bwd90_mods: int = 32
 
 
 def _lean(arch: Optional[str]) -> bool:
@@ -274,6 +289,10 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             # persistent blocks with a job counter where the registers allow
             # (at head dim 64 and above 128 the loop would spill)
             fwd90_persist=1 if 64 < head_dim <= 128 else 0,
+            # the TMA forward above head dim 64 (H200, N 4096: 0.91 ms against 1.32
+            # at 128, 0.93 against 1.20 at 256; at 64, where two cp.async blocks
+            # share an SM, 1.88 against 1.53)
+            fwd90_tma=1 if head_dim > 64 else 0,
             bwd90_br=64,
             bwd90_wgs=3 if head_dim <= 64 else 2,
         )
@@ -469,6 +488,9 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,
                             if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False, mods=with_mods):
                                 continue
                             yield pass_, defines(pass_, hd, mk, dtype, arch, groups=g, mods=mods)
+                            if pass_ in TMA_PASSES and tiles(hd, dtype, arch).fwd90_tma:
+                                tma = TMA_PASSES[pass_]
+                                yield tma, defines(tma, hd, mk, dtype, arch, groups=g, mods=mods)
 
 
 @functools.lru_cache(maxsize=None)

@@ -397,10 +397,25 @@ def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
         pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, mods=not prob.plain)
         if tma:
             pass_ = compiler.TMA_PASSES[pass_]
-        defs = compiler.defines(pass_, hd, prob.mask_kind, dt, arch, groups=groups,
-                                mods=(prob.score_mod, prob.mask_mod))
-        var = _variants[key] = _Variant(pass_, defs, compiler.tiles(hd, dt, arch), hd, dt, arch, names)
+        make = lambda p: _Variant(p, compiler.defines(p, hd, prob.mask_kind, dt, arch, groups=groups,
+                                                      mods=(prob.score_mod, prob.mask_mod)),
+                                  compiler.tiles(hd, dt, arch), hd, dt, arch, names)
+        var = make(pass_)
+        if compiler.spill_checked(pass_, hd, not prob.plain) and _local_bytes(var) > var.tiles.bwd90_mods:
+            # (this expression's code spills the Hopper backward's registers: mma.sync serves)
+            var = make(compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, hopper=False, mods=True))
+        _variants[key] = var
     return var
+
+
+#: The kernel of a spill-checked variant (compiler.spill_checked) whose local memory decides.
+SPILL_KERNEL = "flash_bwd_dkdv_kernel"
+
+
+def _local_bytes(var: _Variant) -> int:
+    """Bytes of local memory (register spills) a thread of the variant's :data:`SPILL_KERNEL`
+    has, as compiled (compiles the variant on first use)."""
+    return _driver.function_attribute(var.function(SPILL_KERNEL), "LOCAL_SIZE_BYTES")
 
 
 def _sm_count() -> int:
@@ -659,9 +674,10 @@ class _Plan:
     def export(self, ctx: int, stream: int) -> List[int]:
         """The plan as int64 words for the C++ host path (``pycudaflash/csrc/torch_ops.cpp``, which
         documents the layout), its job counter that of ``stream``.  Plans with modifiers, whose
-        struct holds a call's tensor addresses, and host key lengths stay with :meth:`launch`."""
-        if self.mod_names or self.map_specs or self.tma_maps:
-            raise ValueError("a plan with modifier tensors, a BlockMap's maps or tensor maps cannot be exported")
+        struct holds a call's tensor addresses, and host key lengths stay with :meth:`launch`;
+        tensor maps go with their encoding arguments, encoded there for each new address."""
+        if self.mod_names or self.map_specs:
+            raise ValueError("a plan with modifier tensors or a BlockMap's maps cannot be exported")
         counter = 0
         if self.counter:
             _, pushed = _driver.enter(_driver.context_device(ctx))
@@ -674,10 +690,13 @@ class _Plan:
         struct_words = list(struct.unpack(f"<{len(raw) // 8}q", raw))
         derived = self.pointers.derived
         words = [EXPORT_VERSION, ctx, self.N_VALS, self.KL, self.WS, self.CNT if self.counter else -1, counter,
-                 self.ws_bytes, len(derived), len(struct_words), len(self.kernels)]
+                 self.ws_bytes, len(derived), len(struct_words), len(self.kernels), len(self.tma_maps)]
         for triple in derived:
             words += triple
         words += struct_words
+        for name, tm, slot in zip(("q_map", "k_map", "v_map"), self.tma_maps, (self.Q, self.K, self.V)):
+            args = _tma.encode_args(tm)
+            words += [getattr(type(self.struct), name).offset // 8, slot, len(args), *args]
         base = ctypes.addressof(self.pointers.array)
         for k in self.kernels:
             n = len(k.addrs)
@@ -695,7 +714,7 @@ class _Plan:
 
 #: Version of the layout :meth:`_Plan.export` writes, and its codes of a kernel's struct parameter
 #: and of a parameter passed by value.
-EXPORT_VERSION, EXPORT_STRUCT, EXPORT_VALUE = 1, -1, -2
+EXPORT_VERSION, EXPORT_STRUCT, EXPORT_VALUE = 2, -1, -2
 
 
 class ForwardPlan(_Plan):

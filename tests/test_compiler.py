@@ -41,16 +41,17 @@ def test_hopper_backward_coverage(hopper_on: None) -> None:
 
 
 def test_hopper_backward_with_modifiers(hopper_on: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # With modifiers the Hopper backward serves head dims 64 and 192 only, unless the tile sizes
-    # say bwd90_mods for a bucket (then that bucket alone).
+    # With modifiers the Hopper backward serves every bucket (at MODS_SPILL_BUCKETS subject to
+    # its compiled code, spill_checked), unless the tile sizes say bwd90_mods=-1 for a bucket.
     monkeypatch.delenv(compiler.TILES_ENV, raising=False)
     for hd in compiler.HEAD_DIM_BUCKETS_F16:
-        want = "bwd_f16" if hd in (96, 128, 256) else "bwd_sm90"
-        assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mods=True) == want
+        assert compiler.pass_name("bwd", "bfloat16", "sm_90", hd, mods=True) == "bwd_sm90"
         assert compiler.pass_name("fwd", "bfloat16", "sm_90", hd, mods=True) == "fwd_sm90"
-    monkeypatch.setenv(compiler.TILES_ENV, "h128:bwd90_mods=1")
-    assert compiler.pass_name("bwd", "float16", "sm_90", 128, mods=True) == "bwd_sm90"
-    assert compiler.pass_name("bwd", "float16", "sm_90", 256, mods=True) == "bwd_f16"
+        assert compiler.spill_checked("bwd_sm90", hd, True) == (hd in (96, 128, 256))
+        assert not compiler.spill_checked("bwd_sm90", hd, False) and not compiler.spill_checked("bwd_f16", hd, True)
+    monkeypatch.setenv(compiler.TILES_ENV, "h128:bwd90_mods=-1")
+    assert compiler.pass_name("bwd", "float16", "sm_90", 128, mods=True) == "bwd_f16"
+    assert compiler.pass_name("bwd", "float16", "sm_90", 256, mods=True) == "bwd_sm90"
     assert compiler.pass_name("bwd", "float16", "sm_80", 128, mods=True) == "bwd_f16"
 
 

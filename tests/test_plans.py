@@ -341,6 +341,43 @@ def test_a_plan_without_a_bool_mask_or_mask_modifier_builds_no_block_map(monkeyp
             assert "tmap" not in {rptr[i] for i, _, _ in kernel.refs}, f"{reader} got a block map"
 
 
+@pytest.mark.parametrize("head_dim, local, want", [(128, 0, "bwd_sm90"), (128, 32, "bwd_sm90"),
+                                                   (128, 48, "bwd_f16"), (256, 256, "bwd_f16"),
+                                                   (64, 256, "bwd_sm90")])
+def test_the_hopper_backward_takes_a_modifier_where_its_compiled_code_fits(monkeypatch: pytest.MonkeyPatch,
+                                                                           head_dim: int, local: int,
+                                                                           want: str) -> None:
+    """At the spill-checked head dims the backward with a modifier is the Hopper pass where its
+    compiled dK/dV kernel keeps at most Tiles.bwd90_mods bytes of local memory, else mma.sync;
+    at other head dims nothing is checked."""
+    from pycudaflash import cuda_backend
+
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
+    monkeypatch.setattr(compiler, "arch_of_current_device", lambda: "sm_90")
+    monkeypatch.setattr(compiler, "context_key", lambda: 1)
+    monkeypatch.setattr(cuda_backend, "_variants", {})
+    asked = []
+
+    def local_bytes(var):
+        asked.append(var.pass_)
+        return local
+
+    monkeypatch.setattr(cuda_backend, "_local_bytes", local_bytes)
+    assert compiler.tiles(head_dim, "float16", "sm_90").bwd90_mods == 32
+    B, H, Nq, Nk = 1, 2, 20, 30
+    x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, head_dim), np.float16)
+         for n in ("q", "k", "v", "dout", "out")}
+    prob = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"],
+                                       np.zeros((B, H, Nq), np.float32), score_mod="30 * tanh(score / 30)")
+    var = cuda_backend._variant(prob, "bwd")
+    assert var.pass_ == want
+    assert asked == (["bwd_sm90"] if head_dim != 64 else [])
+    assert cuda_backend._variant(prob, "bwd") is var and len(asked) <= 1  # (decided once)
+    plain = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32))
+    assert cuda_backend._variant(plain, "bwd").pass_ == "bwd_sm90" and len(asked) <= 1
+
+
 @pytest.mark.parametrize("source, what, planes", [_MAP_SOURCES[0], _MAP_SOURCES[4], _MAP_SOURCES[8]])
 def test_a_block_map_holds_the_maps_and_builds_them_once(monkeypatch: pytest.MonkeyPatch, source: str, what: tuple,
                                                          planes: tuple) -> None:
@@ -475,5 +512,13 @@ def test_the_tma_forward_plan_carries_tensor_maps_encoded_per_addresses(monkeypa
     plan.launch(list(vals), 77, 5)
     assert [ptr for _, ptr in encoded[3:]] == [0x60000, 0x20000, 0x30000]
     assert bytes(plan.struct.q_map) == bytes([4]) * 128
-    with pytest.raises(ValueError, match="tensor maps cannot be exported"):
-        plan.export(77, 5)
+    # Exported for the C++ host path: each map's struct word, operand slot and encoding arguments
+    # after the struct (which that path re-encodes per address).
+    words = plan.export(77, 5)
+    assert words[0] == cuda_backend.EXPORT_VERSION and words[11] == 3
+    at = 12 + 3 * words[8] + words[9]
+    for name, tm, slot in zip(("q_map", "k_map", "v_map"), plan.tma_maps, (P.Q, P.K, P.V)):
+        args = _tma.encode_args(tm)
+        assert words[at:at + 3 + len(args)] == [getattr(type(plan.struct), name).offset // 8, slot, len(args), *args]
+        at += 3 + len(args)
+    assert words[at] == next(kk for kk in plan.kernels).fn  # (the kernels follow)

@@ -75,14 +75,11 @@ def test_what_a_map_cannot_describe_is_named(shape, strides, dtype, rows, messag
 
 def test_encode_passes_the_map_to_the_driver_and_returns_its_128_bytes(monkeypatch) -> None:
     calls = []
-
-    class Enum:
-        def __getattr__(self, name):
-            return name
-
+    enum = lambda kind: (lambda value: (kind, value))
     words = [(0x0123456789ABCDEF * (k + 1)) & (2 ** 64 - 1) for k in range(16)]
-    fake = SimpleNamespace(CUtensorMapDataType=Enum(), CUtensorMapInterleave=Enum(), CUtensorMapSwizzle=Enum(),
-                           CUtensorMapL2promotion=Enum(), CUtensorMapFloatOOBfill=Enum(),
+    fake = SimpleNamespace(CUtensorMapDataType=enum("dtype"), CUtensorMapInterleave=enum("interleave"),
+                           CUtensorMapSwizzle=enum("swizzle"), CUtensorMapL2promotion=enum("l2"),
+                           CUtensorMapFloatOOBfill=enum("oob"),
                            cuuint64_t=lambda x: ("u64", x), cuuint32_t=lambda x: ("u32", x))
     monkeypatch.setattr(_driver, "driver", lambda: fake)
     monkeypatch.setattr(_driver, "check", lambda name, *args: calls.append((name, args)) or
@@ -92,14 +89,30 @@ def test_encode_passes_the_map_to_the_driver_and_returns_its_128_bytes(monkeypat
     assert len(raw) == _tma.MAP_BYTES and raw == np.array(words, "<u8").tobytes()
     (name, args), = calls
     assert name == "cuTensorMapEncodeTiled"
-    assert args[:3] == ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 4, 0x7F0000001000)
+    assert args[:3] == (("dtype", _tma.DATA_TYPES["bfloat16"]), 4, 0x7F0000001000)
     assert [x for _, x in args[3]] == list(tm.dims) and [x for _, x in args[4]] == list(tm.strides)
     assert [x for _, x in args[5]] == list(tm.box) and [x for _, x in args[6]] == [1, 1, 1, 1]
-    assert args[7:] == ("CU_TENSOR_MAP_INTERLEAVE_NONE", "CU_TENSOR_MAP_SWIZZLE_128B",
-                        "CU_TENSOR_MAP_L2_PROMOTION_L2_256B", "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE")
+    assert args[7:] == (("interleave", _tma.INTERLEAVE_NONE), ("swizzle", _tma.SWIZZLE_128B),
+                        ("l2", _tma.L2_PROMOTION_256B), ("oob", _tma.OOB_FILL_ZEROS))
     with pytest.raises(ValueError, match="16-byte aligned"):
         _tma.encode(tm, 0x7F0000001008)
     assert len(calls) == 1
+    # (the C++ host path's arguments: the same values, flat)
+    a = _tma.encode_args(tm)
+    assert a == (_tma.DATA_TYPES["bfloat16"], 4, *tm.dims, *tm.strides, *tm.box, 1, 1, 1, 1,
+                 _tma.INTERLEAVE_NONE, _tma.SWIZZLE_128B, _tma.L2_PROMOTION_256B, _tma.OOB_FILL_ZEROS)
+
+
+def test_the_encoding_values_are_the_drivers() -> None:
+    """The enumeration values the maps use (and the C++ host path passes on) are those of the
+    driver's headers, as cuda-bindings states them."""
+    drv = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
+    assert _tma.DATA_TYPES == {"float16": int(drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+                               "bfloat16": int(drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)}
+    assert _tma.INTERLEAVE_NONE == int(drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE)
+    assert _tma.SWIZZLE_128B == int(drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    assert _tma.L2_PROMOTION_256B == int(drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
+    assert _tma.OOB_FILL_ZEROS == int(drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
 
 
 # A probe of the header: one block per (row tile, head, batch element); thread 0 arms a barrier
@@ -257,6 +270,7 @@ def test_the_tma_forward_gives_the_cp_async_forwards_results_bit_for_bit(cuda: N
     elif case == "gqa_bnhd_window":
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
         kw = dict(causal=True, window=(100, 0))
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)  # (a session fixture may have set it to 0)
     runs = {}
     for tma in (0, 1):
         monkeypatch.setenv("PYCUDAFLASH_TILES", f"h{head_dim}:fwd90_tma={tma}")

@@ -73,6 +73,10 @@ using CtxGetFn = CUresult (*)(void **ctx);
 using CtxPushFn = CUresult (*)(void *ctx);
 using CtxPopFn = CUresult (*)(void **ctx);
 using ErrNameFn = CUresult (*)(CUresult err, const char **name);
+// cuTensorMapEncodeTiled (its enumerations as int, the map 128 bytes aligned to 64).
+using EncodeFn = CUresult (*)(void *map, int dtype, uint32_t rank, void *base, const uint64_t *dims,
+                              const uint64_t *strides, const uint32_t *box, const uint32_t *elem_strides,
+                              int interleave, int swizzle, int l2_promotion, int oob_fill);
 
 struct Driver {
   LaunchFn launch = nullptr;
@@ -80,6 +84,7 @@ struct Driver {
   CtxPushFn ctx_push = nullptr;
   CtxPopFn ctx_pop = nullptr;
   ErrNameFn err_name = nullptr;
+  EncodeFn encode = nullptr;
 };
 Driver drv;
 
@@ -113,18 +118,32 @@ struct ContextScope {
 //
 // A plan as _fast_plan lays it out (int64 words):
 //   VERSION, context, n_vals, kl_slot, ws_slot, cnt_slot, counter, ws_bytes, n_derived,
-//   n_struct_words, n_kernels,
+//   n_struct_words, n_kernels, n_maps,
 //   n_derived x (slot, src, offset), n_struct_words x struct word,
+//   n_maps x (word, slot, n_args, n_args x argument),
 //   n_kernels x (function, gx, gy, gz, bx, by, bz, smem, n_params, n_params x (kind, value))
 // A parameter of kind >= 0 is pointer slot `kind`; STRUCT_PARAM the plan's struct; VALUE_PARAM
-// the 8-byte `value`.
+// the 8-byte `value`.  A map is a TMA tensor map the struct holds at word `word` (16 words) for
+// the operand of pointer slot `slot`: cuTensorMapEncodeTiled's arguments after the base address
+// (pycudaflash._tma.encode_args), encoded again whenever that operand's address changes.
 
-constexpr int64_t VERSION = 1;
+constexpr int64_t VERSION = 2;
 constexpr int64_t STRUCT_PARAM = -1;
 constexpr int64_t VALUE_PARAM = -2;
 constexpr int MAX_SLOTS = 32;   // pointer slots of a plan (cuda_backend._Pointers.CAPACITY)
 constexpr int MAX_PARAMS = 64;  // parameters of a kernel
 constexpr size_t MAX_PLANS = 1024;
+constexpr int MAP_WORDS = 16;  // 128 bytes of an encoded map
+constexpr int MAX_RANK = 5;    // dimensions of a tensor map
+
+struct TensorMap {
+  size_t word;
+  int slot;
+  int dtype, interleave, swizzle, l2, oob;
+  uint32_t rank;
+  uint64_t dims[MAX_RANK], strides[MAX_RANK];
+  uint32_t box[MAX_RANK], elem[MAX_RANK];
+};
 
 struct Kernel {
   void *fn;
@@ -141,6 +160,12 @@ struct Plan {
   std::vector<std::array<int64_t, 3>> derived;
   std::vector<uint64_t> struct_words;
   std::vector<Kernel> kernels;
+  std::vector<TensorMap> maps;
+  // The struct with the maps of the operands last launched (plans with maps only; their launches
+  // hold `lock`: the struct is the plan's).
+  mutable std::mutex lock;
+  mutable std::vector<uint64_t> mapped_words;
+  mutable std::vector<uint64_t> mapped_ptrs;
 };
 
 std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
@@ -162,7 +187,7 @@ std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
   plan->cnt_slot = static_cast<int>(next());
   plan->counter = static_cast<uint64_t>(next());
   plan->ws_bytes = next();
-  const int64_t n_derived = next(), n_words = next(), n_kernels = next();
+  const int64_t n_derived = next(), n_words = next(), n_kernels = next(), n_maps = next();
   TORCH_CHECK(plan->n_vals >= 0 && plan->n_vals + n_derived <= MAX_SLOTS, "plan: too many pointer slots");
   for (int64_t i = 0; i < n_derived; ++i) {
     std::array<int64_t, 3> d{next(), next(), next()};
@@ -171,6 +196,29 @@ std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
     plan->derived.push_back(d);
   }
   for (int64_t i = 0; i < n_words; ++i) plan->struct_words.push_back(static_cast<uint64_t>(next()));
+  for (int64_t i = 0; i < n_maps; ++i) {
+    TensorMap m;
+    const int64_t word = next(), slot = next(), n_args = next();
+    TORCH_CHECK(word >= 0 && word % 8 == 0 && word + MAP_WORDS <= n_words && slot >= 0 && slot < plan->n_vals,
+                "plan: a tensor map out of place");
+    m.word = static_cast<size_t>(word);
+    m.slot = static_cast<int>(slot);
+    m.dtype = static_cast<int>(next());
+    const int64_t rank = next();
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK && n_args == 6 + 4 * rank, "plan: a tensor map of unknown form");
+    m.rank = static_cast<uint32_t>(rank);
+    for (int64_t d = 0; d < rank; ++d) m.dims[d] = static_cast<uint64_t>(next());
+    for (int64_t d = 0; d + 1 < rank; ++d) m.strides[d] = static_cast<uint64_t>(next());
+    for (int64_t d = 0; d < rank; ++d) m.box[d] = static_cast<uint32_t>(next());
+    for (int64_t d = 0; d < rank; ++d) m.elem[d] = static_cast<uint32_t>(next());
+    m.interleave = static_cast<int>(next());
+    m.swizzle = static_cast<int>(next());
+    m.l2 = static_cast<int>(next());
+    m.oob = static_cast<int>(next());
+    plan->maps.push_back(m);
+  }
+  plan->mapped_words = plan->struct_words;
+  plan->mapped_ptrs.assign(plan->maps.size(), 0);  // (0: not encoded yet; operands are never at 0)
   for (int64_t i = 0; i < n_kernels; ++i) {
     Kernel k;
     k.fn = reinterpret_cast<void *>(static_cast<uintptr_t>(next()));
@@ -192,19 +240,42 @@ std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
   return plan;
 }
 
+// The struct of `plan` with its tensor maps over the operands of `slots` (encoded where an
+// operand's address changed since the last launch); the caller holds plan.lock.
+const uint64_t *mapped_struct(const Plan &plan, const uint64_t (&slots)[MAX_SLOTS]) {
+  for (size_t i = 0; i < plan.maps.size(); ++i) {
+    const TensorMap &m = plan.maps[i];
+    const uint64_t ptr = slots[m.slot];
+    if (ptr == plan.mapped_ptrs[i]) continue;
+    alignas(64) uint64_t raw[MAP_WORDS];
+    check(drv.encode(raw, m.dtype, m.rank, reinterpret_cast<void *>(ptr), m.dims, m.strides, m.box, m.elem,
+                     m.interleave, m.swizzle, m.l2, m.oob),
+          "cuTensorMapEncodeTiled");
+    std::memcpy(plan.mapped_words.data() + m.word, raw, sizeof(raw));
+    plan.mapped_ptrs[i] = ptr;
+  }
+  return plan.mapped_words.data();
+}
+
 // Launch every kernel of `plan` on `stream` with value slots `vals` (pointer slots 0..n_vals-1).
 void launch(const Plan &plan, uint64_t (&slots)[MAX_SLOTS], void *stream) {
-  TORCH_CHECK(drv.launch != nullptr && drv.ctx_get != nullptr,
+  TORCH_CHECK(drv.launch != nullptr && drv.ctx_get != nullptr && drv.encode != nullptr,
               "pycudaflash's C++ host path was loaded without the driver's entry points (pycudaflash_fast_init)");
   for (const auto &d : plan.derived) slots[d[0]] = slots[d[1]] + static_cast<uint64_t>(d[2]);
   ContextScope scope(plan.ctx);
+  std::unique_lock<std::mutex> held;
+  const uint64_t *words = plan.struct_words.data();
+  if (!plan.maps.empty()) {  // (cuLaunchKernel copies the struct: the lock covers encoding and launches)
+    held = std::unique_lock<std::mutex>(plan.lock);
+    words = mapped_struct(plan, slots);
+  }
   for (const Kernel &k : plan.kernels) {
     void *params[MAX_PARAMS];
     const size_t n = k.kinds.size();
     for (size_t p = 0; p < n; ++p) {
       const int64_t kind = k.kinds[p];
       params[p] = kind >= 0 ? static_cast<void *>(&slots[kind])
-                  : kind == STRUCT_PARAM ? const_cast<uint64_t *>(plan.struct_words.data())
+                  : kind == STRUCT_PARAM ? const_cast<uint64_t *>(words)
                                          : const_cast<uint64_t *>(&k.values[p]);
     }
     check(drv.launch(k.fn, k.grid[0], k.grid[1], k.grid[2], k.block[0], k.block[1], k.block[2], k.smem, stream,
@@ -443,14 +514,16 @@ std::tuple<Tensor, Tensor> flash_fwd_autograd(const Tensor &q, const Tensor &k, 
 }  // namespace
 
 // Called once from Python (pycudaflash._fastpath) with the addresses of libcuda's entry points:
-// cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2, cuGetErrorName.
+// cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2, cuGetErrorName,
+// cuTensorMapEncodeTiled.
 extern "C" int pycudaflash_fast_init(const uint64_t *addresses, int n) {
-  if (n != 5) return 1;
+  if (n != 6) return 1;
   drv.launch = reinterpret_cast<LaunchFn>(addresses[0]);
   drv.ctx_get = reinterpret_cast<CtxGetFn>(addresses[1]);
   drv.ctx_push = reinterpret_cast<CtxPushFn>(addresses[2]);
   drv.ctx_pop = reinterpret_cast<CtxPopFn>(addresses[3]);
   drv.err_name = reinterpret_cast<ErrNameFn>(addresses[4]);
+  drv.encode = reinterpret_cast<EncodeFn>(addresses[5]);
   return 0;
 }
 
