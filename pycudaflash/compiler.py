@@ -435,6 +435,10 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
             out["FWD_PERSIST"] = int(out["FWD_PERSIST"] and t.fwd90_mods_persist > 0)
         if pass_ == "fwd_sm90_tma":  # (one job a block, the maps in the parameter struct)
             out.update(FWD_PERSIST=0, FWD_MINB=1, FWD_TMA=1)
+            if mask_kind == "bool" and head_dim == 128:
+                # (its consumers' 240 registers would spill the bool mask's
+                # addressing at 128 keys a step: 48 bytes)
+                out["BC"] = min(out["BC"], 64)
     elif pass_ == "bwd_sm90":
         if not t.bwd90_br or not hopper_serves("bwd", head_dim, mask_kind, MOD_CODE in out, t):
             raise ValueError(f"pass {pass_!r} does not serve head dim {head_dim} with mask {mask_kind!r}"

@@ -63,8 +63,7 @@ def test_variant_count(builds):
     # Each twice: k and v with as many heads as q, and with fewer.
     per_mask = len(compiler.HEAD_DIM_BUCKETS) + 2 * len(compiler.HEAD_DIM_BUCKETS_F16)
     tma = sum(compiler.tiles(hd, "bfloat16", "sm_90").fwd90_tma > 0 for hd in compiler.HEAD_DIM_BUCKETS_F16)
-    per_hopper_mask = 2 * len(compiler.HEAD_DIM_BUCKETS_F16) + tma
-    hopper = 2 * (2 * per_hopper_mask * len(compiler.MASK_MODES) - 1)
+    hopper = 2 * ((2 * len(compiler.HEAD_DIM_BUCKETS_F16) + tma) * len(compiler.MASK_MODES) - 1)
     plain = [r for r in builds if compiler.MOD_CODE not in r.defines]
     assert len(plain) == 2 * (2 * len(compiler.MASK_MODES) * per_mask * len(ARCHES) + hopper)
     assert sum(r.arch == "sm_90a" for r in plain) == 2 * hopper

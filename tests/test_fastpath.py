@@ -46,6 +46,45 @@ def test_library_builds_loads_and_registers_the_cuda_kernels(tmp_path: Path) -> 
     assert torch.allclose(dq, rq, atol=1e-5, rtol=1e-5)
 
 
+def _parse(lib: Any, words: list) -> tuple:
+    import ctypes
+
+    arr = (ctypes.c_int64 * len(words))(*words)
+    msg = ctypes.create_string_buffer(512)
+    lib.pycudaflash_fast_parse.restype = ctypes.c_int64
+    n = lib.pycudaflash_fast_parse(arr, ctypes.c_int64(len(words)), msg, ctypes.c_int64(len(msg)))
+    return n, msg.value.decode(errors="replace")
+
+
+def test_the_library_reads_the_plan_layout_with_tensor_maps(tmp_path: Path) -> None:
+    """A plan in the layout cuda_backend._Plan.export writes, with a tensor map whose arguments
+    are pycudaflash._tma.encode_args', parses; a map of the wrong length or out of the struct
+    is refused with the reason."""
+    import ctypes
+
+    from pycudaflash import _tma
+    from pycudaflash.cuda_backend import EXPORT_STRUCT, EXPORT_VERSION
+
+    _compiler()
+    path = tmp_path / "torch_ops.so"
+    _fastpath.build(path)
+    torch.ops.load_library(str(path))
+    lib = ctypes.CDLL(str(path))
+    args = list(_tma.encode_args(_tma.tile_map((2, 4, 100, 128), (51200, 12800, 128, 1), "bfloat16", 128)))
+    n_words = 32
+
+    def plan(map_word: int = 16, map_args: list = args) -> list:
+        head = [EXPORT_VERSION, 0, 9, 6, 7, -1, 0, 0, 0, n_words, 1, 1]
+        kernel = [0, 1, 1, 1, 384, 1, 1, 0, 1, EXPORT_STRUCT, 0]
+        return head + [0] * n_words + [map_word, 0, len(map_args), *map_args] + kernel
+
+    assert _parse(lib, plan()) == (1, "")
+    n, why = _parse(lib, plan(map_args=args[:-1]))
+    assert n == -1 and "tensor map" in why
+    n, why = _parse(lib, plan(map_word=24))  # (16 words from 24 pass the 32 of the struct)
+    assert n == -1 and "tensor map out of place" in why
+
+
 def test_library_takes_the_processs_cxx_runtime(tmp_path: Path) -> None:
     """The library links against the libstdc++ torch loaded, never a static copy of its own
     (two C++ runtimes in one process crash on the first formatted error message)."""

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pycudaflash import compiler, flash_attn_backward, flash_attn_forward
+from pycudaflash import clear_plans, compiler, flash_attn_backward, flash_attn_forward
 from pycudaflash.reference import reference_backward, reference_forward
 from pycudaflash.semantics import normalize_scale
 from pycudaflash.testing import (
@@ -515,6 +515,9 @@ def test_forward_job_counter_repeats_and_streams(cuda: None, monkeypatch: pytest
     # The kernels the library picks by default (a session-scoped 'cuda-mma'
     # run may still have the Hopper kernels switched off).
     monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    # (the persistent forward serves head dim 128 where the TMA forward does not)
+    monkeypatch.setenv(compiler.TILES_ENV, "h128:fwd90_tma=0")
+    clear_plans()
     counters_before = len(cuda_backend.job_counters())
     inputs = [make_inputs(p) for p in _PERSISTENT_PROBLEMS]
     alone = []

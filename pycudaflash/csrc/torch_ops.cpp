@@ -205,7 +205,8 @@ std::shared_ptr<const Plan> parse_plan(const Tensor &blob) {
     m.slot = static_cast<int>(slot);
     m.dtype = static_cast<int>(next());
     const int64_t rank = next();
-    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK && n_args == 6 + 4 * rank, "plan: a tensor map of unknown form");
+    // (data type, rank, rank dims, rank - 1 strides, rank box extents, rank element strides, 4 enums)
+    TORCH_CHECK(rank >= 1 && rank <= MAX_RANK && n_args == 5 + 4 * rank, "plan: a tensor map of unknown form");
     m.rank = static_cast<uint32_t>(rank);
     for (int64_t d = 0; d < rank; ++d) m.dims[d] = static_cast<uint64_t>(next());
     for (int64_t d = 0; d + 1 < rank; ++d) m.strides[d] = static_cast<uint64_t>(next());
@@ -525,6 +526,21 @@ extern "C" int pycudaflash_fast_init(const uint64_t *addresses, int n) {
   drv.err_name = reinterpret_cast<ErrNameFn>(addresses[4]);
   drv.encode = reinterpret_cast<EncodeFn>(addresses[5]);
   return 0;
+}
+
+// Parse the plan of `n` words (what _fast_plan returns) without keeping it: its number of tensor
+// maps, or -1 with the reason in `msg` (for tests of the layout; no driver call).
+extern "C" int64_t pycudaflash_fast_parse(const int64_t *words, int64_t n, char *msg, int64_t cap) {
+  try {
+    const Tensor blob = at::from_blob(const_cast<int64_t *>(words), {n}, at::TensorOptions().dtype(at::kLong));
+    return static_cast<int64_t>(parse_plan(blob)->maps.size());
+  } catch (const std::exception &e) {
+    if (cap > 0) {
+      std::strncpy(msg, e.what(), static_cast<size_t>(cap - 1));
+      msg[cap - 1] = '\0';
+    }
+    return -1;
+  }
 }
 
 // Forget every plan (pycudaflash._calls.clear).
