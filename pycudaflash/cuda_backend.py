@@ -383,7 +383,9 @@ _variants: Dict[Tuple, _Variant] = {}
 
 def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
     """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised); with ``tma``
-    the TMA version of the pass (:data:`compiler.TMA_PASSES`)."""
+    the TMA version of the pass (:data:`compiler.TMA_PASSES`).  A spill-checked pass
+    (:func:`compiler.spill_checked`) is compiled first and kept only where its local memory
+    fits ``Tiles.bwd90_mods``; else the mma.sync pass serves."""
     dt = _kernel_dtype(prob)
     env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
     groups = prob.kv_heads != prob.H
