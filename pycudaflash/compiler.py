@@ -224,6 +224,10 @@ class Tiles:
     # score): keys per step (at most fwd90_bc) and whether its blocks persist
     fwd90_mods_bc: int = 64
     fwd90_mods_persist: int = 1
+    # keys a step tried first for a modifier's forward (at most fwd90_bc), kept
+    # where the expression's compiled kernel has no local memory; 0: never.
+    # H200, D 128: ALiBi 1591 us against 1728 at 64, soft-capping 1605 against 1773
+    fwd90_mods_wide: int = 128
     # 1: the Hopper forward loads through the TMA from a producer warp where it can
     # (flash_fwd_sm90_tma.cu; one job a block)
     fwd90_tma: int = 0
@@ -394,11 +398,14 @@ MOD_CODE = "MOD_CODE"
 
 
 def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
-            arch: Optional[str] = None, groups: bool = False, mods: Tuple[Any, Any] = (None, None)) -> Dict[str, Any]:
+            arch: Optional[str] = None, groups: bool = False, mods: Tuple[Any, Any] = (None, None),
+            wide: bool = False) -> Dict[str, Any]:
     """The ``-D`` defines of one variant (``dtype`` picks float16/bfloat16 for ``*_f16`` passes;
     ``groups``: k and v have fewer heads than q; ``mods``: the score and mask
     :class:`pycudaflash.mods.Modifier`, or None), and with modifiers their device code
-    (``MOD_CODE``)."""
+    (``MOD_CODE``).  ``wide``: the Hopper forward with modifiers at ``Tiles.fwd90_mods_wide``
+    keys a step (cuda_backend keeps such a variant only where its compiled kernel has no
+    local memory)."""
     if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}")
     half = pass_ != "fwd" and pass_ != "bwd"
@@ -431,7 +438,7 @@ def defines(pass_: str, head_dim: int, mask_kind: str, dtype: str = "float32",
         # registers with a dense mask's addressing: one job a block there)
         out["FWD_PERSIST"] = int(t.fwd90_persist > 0 and not (groups and dense))
         if MOD_CODE in out:
-            out["BC"] = min(out["BC"], t.fwd90_mods_bc)
+            out["BC"] = min(out["BC"], t.fwd90_mods_wide if wide else t.fwd90_mods_bc)
             out["FWD_PERSIST"] = int(out["FWD_PERSIST"] and t.fwd90_mods_persist > 0)
         if pass_ == "fwd_sm90_tma":  # (one job a block, the maps in the parameter struct)
             out.update(FWD_PERSIST=0, FWD_MINB=1, FWD_TMA=1)
@@ -492,9 +499,14 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,
                             if hopper and pass_ == pass_name(kind, dtype, arch, hd, mk, hopper=False, mods=with_mods):
                                 continue
                             yield pass_, defines(pass_, hd, mk, dtype, arch, groups=g, mods=mods)
+                            fwd90 = [pass_]
                             if pass_ in TMA_PASSES and tiles(hd, dtype, arch).fwd90_tma:
-                                tma = TMA_PASSES[pass_]
-                                yield tma, defines(tma, hd, mk, dtype, arch, groups=g, mods=mods)
+                                fwd90.append(TMA_PASSES[pass_])
+                                yield fwd90[-1], defines(fwd90[-1], hd, mk, dtype, arch, groups=g, mods=mods)
+                            for p in fwd90:  # (a modifier's wider forward, taken where it does not spill)
+                                wide = defines(p, hd, mk, dtype, arch, groups=g, mods=mods, wide=True)
+                                if with_mods and wide != defines(p, hd, mk, dtype, arch, groups=g, mods=mods):
+                                    yield p, wide
 
 
 @functools.lru_cache(maxsize=None)

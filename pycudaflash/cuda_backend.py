@@ -385,7 +385,9 @@ def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
     """Pass, defines and tiles of ``kind`` ('fwd' or 'bwd') for ``prob`` (memoised); with ``tma``
     the TMA version of the pass (:data:`compiler.TMA_PASSES`).  A spill-checked pass
     (:func:`compiler.spill_checked`) is compiled first and kept only where its local memory
-    fits ``Tiles.bwd90_mods``; else the mma.sync pass serves."""
+    fits ``Tiles.bwd90_mods``; else the mma.sync pass serves.  The Hopper forward with modifiers
+    takes its wide variant (``Tiles.fwd90_mods_wide`` keys a step) where that compiles with no
+    local memory."""
     dt = _kernel_dtype(prob)
     env = tuple(os.environ.get(name) for name in compiler.TUNING_ENV)
     groups = prob.kv_heads != prob.H
@@ -399,13 +401,18 @@ def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
         pass_ = compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, mods=not prob.plain)
         if tma:
             pass_ = compiler.TMA_PASSES[pass_]
-        make = lambda p: _Variant(p, compiler.defines(p, hd, prob.mask_kind, dt, arch, groups=groups,
-                                                      mods=(prob.score_mod, prob.mask_mod)),
-                                  compiler.tiles(hd, dt, arch), hd, dt, arch, names)
+        make = lambda p, wide=False: _Variant(p, compiler.defines(p, hd, prob.mask_kind, dt, arch, groups=groups,
+                                                                  mods=(prob.score_mod, prob.mask_mod), wide=wide),
+                                              compiler.tiles(hd, dt, arch), hd, dt, arch, names)
         var = make(pass_)
-        if compiler.spill_checked(pass_, hd, not prob.plain) and _local_bytes(var) > var.tiles.bwd90_mods:
+        spills = compiler.spill_checked(pass_, hd, not prob.plain)
+        if spills and _local_bytes(var, SPILL_KERNEL) > var.tiles.bwd90_mods:
             # (this expression's code spills the Hopper backward's registers: mma.sync serves)
             var = make(compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, hopper=False, mods=True))
+        if kind == "fwd" and not prob.plain:
+            wide = make(pass_, wide=True)
+            if wide.defs["BC"] != var.defs["BC"] and _local_bytes(wide, "flash_fwd_kernel") == 0:
+                var = wide  # (the expression fits more keys a step without spilling)
         _variants[key] = var
     return var
 
@@ -414,10 +421,10 @@ def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
 SPILL_KERNEL = "flash_bwd_dkdv_kernel"
 
 
-def _local_bytes(var: _Variant) -> int:
-    """Bytes of local memory (register spills) a thread of the variant's :data:`SPILL_KERNEL`
-    has, as compiled (compiles the variant on first use)."""
-    return _driver.function_attribute(var.function(SPILL_KERNEL), "LOCAL_SIZE_BYTES")
+def _local_bytes(var: _Variant, kernel: str) -> int:
+    """Bytes of local memory (register spills) a thread of the variant's ``kernel`` has, as
+    compiled (compiles the variant on first use)."""
+    return _driver.function_attribute(var.function(kernel), "LOCAL_SIZE_BYTES")
 
 
 def _sm_count() -> int:

@@ -359,7 +359,7 @@ def test_the_hopper_backward_takes_a_modifier_where_its_compiled_code_fits(monke
     monkeypatch.setattr(cuda_backend, "_variants", {})
     asked = []
 
-    def local_bytes(var):
+    def local_bytes(var, kernel):
         asked.append(var.pass_)
         return local
 
@@ -376,6 +376,38 @@ def test_the_hopper_backward_takes_a_modifier_where_its_compiled_code_fits(monke
     assert cuda_backend._variant(prob, "bwd") is var and len(asked) <= 1  # (decided once)
     plain = _validate.validate_backward(x["dout"], x["q"], x["k"], x["v"], x["out"], np.zeros((B, H, Nq), np.float32))
     assert cuda_backend._variant(plain, "bwd").pass_ == "bwd_sm90" and len(asked) <= 1
+
+
+@pytest.mark.parametrize("head_dim, local, want_bc", [(128, 0, 128), (128, 8, 64), (64, 0, 64)])
+def test_a_modifiers_forward_takes_more_keys_a_step_where_they_compile_without_spills(
+        monkeypatch: pytest.MonkeyPatch, head_dim: int, local: int, want_bc: int) -> None:
+    """The Hopper forward with a modifier tries Tiles.fwd90_mods_wide keys a step and keeps it
+    where the compiled kernel has no local memory; where the wide step is no wider (head dim 64)
+    nothing is compiled to find out, nor for a call without modifiers."""
+    from pycudaflash import cuda_backend
+
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
+    monkeypatch.setattr(compiler, "arch_of_current_device", lambda: "sm_90")
+    monkeypatch.setattr(compiler, "context_key", lambda: 1)
+    monkeypatch.setattr(cuda_backend, "_variants", {})
+    asked = []
+
+    def local_bytes(var, kernel):
+        asked.append((var.pass_, kernel, var.defs["BC"]))
+        return local
+
+    monkeypatch.setattr(cuda_backend, "_local_bytes", local_bytes)
+    t = compiler.tiles(head_dim, "bfloat16", "sm_90")
+    assert (t.fwd90_mods_bc, t.fwd90_mods_wide) == (64, 128)
+    q, k, v = (np.ones((1, 2, 20, head_dim), np.float16) for _ in range(3))
+    prob = _validate.validate_forward(q, k, v, score_mod="score - 0.5 * abs(i - j)")
+    var = cuda_backend._variant(prob, "fwd")
+    assert var.pass_ == "fwd_sm90" and var.defs["BC"] == want_bc
+    assert asked == ([("fwd_sm90", "flash_fwd_kernel", 128)] if head_dim == 128 else [])
+    assert cuda_backend._variant(prob, "fwd") is var and len(asked) <= 1  # (decided once)
+    plain = _validate.validate_forward(q, k, v)
+    assert cuda_backend._variant(plain, "fwd").defs["BC"] == t.fwd90_bc and len(asked) <= 1
 
 
 @pytest.mark.parametrize("source, what, planes", [_MAP_SOURCES[0], _MAP_SOURCES[4], _MAP_SOURCES[8]])
