@@ -21,7 +21,10 @@ tokens of width D * H), so that they are read from memory.  FLOPs as FlashAttent
 them: 4 B H N^2 D forward, halved when causal, times 2.5 for the backward.
 
     python scripts/op_speed.py [--dtype bfloat16] [--head-dim 64 128 256] [--seqlen 1024 4096 16384]
-                               [--json results.json]
+                               [--passes fwd bwd] [--json results.json]
+
+(``--passes bwd`` times the backward alone, for work on the backward; a pass left out prints as
+``-``.)
 """
 
 from __future__ import annotations
@@ -88,15 +91,15 @@ def cell(D: int, N: int, causal: bool, a: argparse.Namespace) -> Dict[str, Any]:
             impls[name] = peer()
         except RuntimeError as exc:  # (a head dim the backend does not take)
             print(f"# {name} n/a at D {D} N {N}: {str(exc).splitlines()[0][:100]}")
-    times: Dict[str, Dict[str, List[float]]] = {n: {"fwd": [], "bwd": []} for n in impls}
+    times: Dict[str, Dict[str, List[float]]] = {n: {p: [] for p in a.passes} for n in impls}
     for _ in range(a.rounds):
         for name, passes in impls.items():
-            for p, fn in passes.items():
-                times[name][p].append(events_ms(fn, a.warmup, a.reps, a.settle))
+            for p in a.passes:
+                times[name][p].append(events_ms(passes[p], a.warmup, a.reps, a.settle))
     flops = 4 * B * H * N * N * D / (2 if causal else 1)
     row: Dict[str, Any] = dict(D=D, N=N, causal=causal, B=B, H=H)
     for name in impls:
-        for p in ("fwd", "bwd"):
+        for p in a.passes:
             ms = statistics.median(times[name][p])
             row[f"{name}_{p}_ms"] = round(ms, 4)
             row[f"{name}_{p}_tflops"] = round(flops * (2.5 if p == "bwd" else 1) / ms / 1e9, 1)
@@ -109,6 +112,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=("none", "causal", "both"), default="both")
+    p.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     p.add_argument("--tokens", type=int, default=65536, help="B = tokens // N")
     p.add_argument("--width", type=int, default=2048, help="H = width // D")
     p.add_argument("--reps", type=int, default=10)
@@ -127,10 +131,14 @@ def main() -> None:
             for causal in modes:
                 r = cell(D, N, causal, a)
                 rows.append(r)
-                tf = lambda n: (f"{r[n + '_fwd_tflops']} / {r[n + '_bwd_tflops']}" if n + "_fwd_tflops" in r
-                                else "n/a")
-                ratio = (f"{r['op_fwd_tflops'] / r['cudnn_fwd_tflops']:.2f} / "
-                         f"{r['op_bwd_tflops'] / r['cudnn_bwd_tflops']:.2f}" if "cudnn_fwd_tflops" in r else "n/a")
+                def tf(n: str) -> str:
+                    if n + f"_{a.passes[0]}_tflops" not in r:
+                        return "n/a"
+                    return " / ".join(str(r.get(f"{n}_{p}_tflops", "-")) for p in ("fwd", "bwd"))
+
+                def over(p: str) -> str:
+                    return f"{r['op_' + p + '_tflops'] / r['cudnn_' + p + '_tflops']:.2f}" if p in a.passes else "-"
+                ratio = f"{over('fwd')} / {over('bwd')}" if f"cudnn_{a.passes[0]}_tflops" in r else "n/a"
                 print(f"| {D} | {N} | {causal} | {tf('op')} | {tf('kernel')} | {tf('cudnn')} | {tf('flash')} "
                       f"| {ratio} |", flush=True)
     if a.json:
