@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable, List
 
 import numpy as np
 import pytest
@@ -341,6 +341,27 @@ def test_a_plan_without_a_bool_mask_or_mask_modifier_builds_no_block_map(monkeyp
             assert "tmap" not in {rptr[i] for i, _, _ in kernel.refs}, f"{reader} got a block map"
 
 
+def _hopper_plans(monkeypatch: pytest.MonkeyPatch, local: int, record: Callable[[Any, str], Any]) -> List[Any]:
+    """Variants chosen as on an sm_90 device without tuning variables or memoised variants, where
+    every compiled kernel reports ``local`` bytes of local memory; returns the list to which
+    ``record(variant, kernel)`` of each such question is appended."""
+    from pycudaflash import cuda_backend
+
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
+    monkeypatch.setattr(compiler, "arch_of_current_device", lambda: "sm_90")
+    monkeypatch.setattr(compiler, "context_key", lambda: 1)
+    monkeypatch.setattr(cuda_backend, "_variants", {})
+    asked: List[Any] = []
+
+    def local_bytes(var: Any, kernel: str) -> int:
+        asked.append(record(var, kernel))
+        return local
+
+    monkeypatch.setattr(cuda_backend, "_local_bytes", local_bytes)
+    return asked
+
+
 @pytest.mark.parametrize("head_dim, local, want", [(128, 0, "bwd_sm90"), (128, 32, "bwd_sm90"),
                                                    (128, 48, "bwd_f16"), (256, 256, "bwd_f16"),
                                                    (64, 256, "bwd_sm90")])
@@ -352,18 +373,7 @@ def test_the_hopper_backward_takes_a_modifier_where_its_compiled_code_fits(monke
     at other head dims nothing is checked."""
     from pycudaflash import cuda_backend
 
-    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
-    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
-    monkeypatch.setattr(compiler, "arch_of_current_device", lambda: "sm_90")
-    monkeypatch.setattr(compiler, "context_key", lambda: 1)
-    monkeypatch.setattr(cuda_backend, "_variants", {})
-    asked = []
-
-    def local_bytes(var, kernel):
-        asked.append(var.pass_)
-        return local
-
-    monkeypatch.setattr(cuda_backend, "_local_bytes", local_bytes)
+    asked = _hopper_plans(monkeypatch, local, lambda var, kernel: var.pass_)
     assert compiler.tiles(head_dim, "float16", "sm_90").bwd90_mods == 32
     B, H, Nq, Nk = 1, 2, 20, 30
     x = {n: np.ones((B, H, Nq if n in ("q", "dout", "out") else Nk, head_dim), np.float16)
@@ -386,18 +396,7 @@ def test_a_modifiers_forward_takes_more_keys_a_step_where_they_compile_without_s
     nothing is compiled to find out, nor for a call without modifiers."""
     from pycudaflash import cuda_backend
 
-    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
-    monkeypatch.delenv(compiler.TILES_ENV, raising=False)
-    monkeypatch.setattr(compiler, "arch_of_current_device", lambda: "sm_90")
-    monkeypatch.setattr(compiler, "context_key", lambda: 1)
-    monkeypatch.setattr(cuda_backend, "_variants", {})
-    asked = []
-
-    def local_bytes(var, kernel):
-        asked.append((var.pass_, kernel, var.defs["BC"]))
-        return local
-
-    monkeypatch.setattr(cuda_backend, "_local_bytes", local_bytes)
+    asked = _hopper_plans(monkeypatch, local, lambda var, kernel: (var.pass_, kernel, var.defs["BC"]))
     t = compiler.tiles(head_dim, "bfloat16", "sm_90")
     assert (t.fwd90_mods_bc, t.fwd90_mods_wide) == (64, 128)
     q, k, v = (np.ones((1, 2, 20, head_dim), np.float16) for _ in range(3))
