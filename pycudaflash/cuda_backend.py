@@ -405,8 +405,8 @@ def _variant(prob: Problem, kind: str, tma: bool = False) -> _Variant:
                                                                   mods=(prob.score_mod, prob.mask_mod), wide=wide),
                                               compiler.tiles(hd, dt, arch), hd, dt, arch, names)
         var = make(pass_)
-        spills = compiler.spill_checked(pass_, hd, not prob.plain)
-        if spills and _local_bytes(var, SPILL_KERNEL) > var.tiles.bwd90_mods:
+        checked = compiler.spill_checked(pass_, hd, not prob.plain)
+        if checked and _local_bytes(var, SPILL_KERNEL) > var.tiles.bwd90_mods:
             # (this expression's code spills the Hopper backward's registers: mma.sync serves)
             var = make(compiler.pass_name(kind, dt, arch, hd, prob.mask_kind, hopper=False, mods=True))
         if kind == "fwd" and not prob.plain:
