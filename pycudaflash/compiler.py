@@ -503,9 +503,10 @@ def all_variants(dtypes: Tuple[str, ...] = DTYPES, arch: Optional[str] = None,
                             if pass_ in TMA_PASSES and tiles(hd, dtype, arch).fwd90_tma:
                                 fwd90.append(TMA_PASSES[pass_])
                                 yield fwd90[-1], defines(fwd90[-1], hd, mk, dtype, arch, groups=g, mods=mods)
-                            for p in fwd90:  # (a modifier's wider forward, taken where it does not spill)
+                            # (a modifier's wider forward, taken where it does not spill)
+                            for p in fwd90 if with_mods else ():
                                 wide = defines(p, hd, mk, dtype, arch, groups=g, mods=mods, wide=True)
-                                if with_mods and wide != defines(p, hd, mk, dtype, arch, groups=g, mods=mods):
+                                if wide != defines(p, hd, mk, dtype, arch, groups=g, mods=mods):
                                     yield p, wide
 
 
