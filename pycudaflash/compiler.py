@@ -240,9 +240,8 @@ class Tiles:
     bwd90_mods: int = 32
     # 1: the Hopper backward adds dQi through staged tiles and the copy engine
     # (flash_bwd_sm90.cu, up to head dim 128 where D is the bucket's) instead of
-    # float32 atomics.  H100, bfloat16, N 4096, TFLOP/s backward: 260.3 against
-    # 233.4 at head dim 128, 310.2 against 311.5 at 64.  Off until the suite
-    # and the sanitizers have run it on a GPU.
+    # float32 atomics (0).  H100, bfloat16, N 4096, TFLOP/s backward: 260.3
+    # against 233.4 at head dim 128, 310.2 against 311.5 at 64 (kept on atomics).
     bwd90_dq_bulk: int = 0
 
 
@@ -305,6 +304,7 @@ def _tiles(head_dim: int, dtype: str, lean: bool, spec: str) -> Tiles:
             fwd90_tma=1 if head_dim > 64 else 0,
             bwd90_br=64,
             bwd90_wgs=3 if head_dim <= 64 else 2,
+            bwd90_dq_bulk=1 if 64 < head_dim <= 128 else 0,
         )
     else:
         small = head_dim <= 64
