@@ -16,6 +16,17 @@
 // into the float32 accumulator.  With dQacc = nullptr (deterministic mode)
 // the dQ product is skipped and flash_bwd_dq_kernel computes dQ.
 //
+// dQi into the accumulator, with DQ_BULK (Tiles.bwd90_dq_bulk; up to head
+// dim 128, where D is the bucket's head dim): each thread stages its part of scale * dSij Kj in one of two
+// float32 tiles dQs [Br][D], laid out as the accumulator's rows of the query
+// tile are; after the next block barrier thread 0 hands the whole tile to the
+// copy engine (one cp.reduce.async.bulk .add.f32), which adds it at the L2
+// while the next query tile's products run.  Before the barrier that lets a
+// tile's dQi overwrite a buffer, thread 0 waits until the engine has read
+// what that buffer held two tiles before.  Otherwise (without DQ_BULK; head
+// dims 192 and 256, whose shared memory is full; D below the bucket's) each
+// thread adds its dQi elements with float32 atomics (dq_add_pair).
+//
 // The module's other kernels (flash_bwd_preprocess, flash_bwd_dq_kernel,
 // flash_bwd_convert_dq, flash_bwd_sum_groups) and dq_add_pair come from
 // flash_bwd_rows_f16.cuh, the swizzled shared-memory tiles and the wgmma
@@ -50,6 +61,19 @@
 #ifndef B90_BR
 #error "B90_BR must be defined (pycudaflash.compiler.defines)"
 #endif
+#ifndef DQ_BULK
+#error "DQ_BULK must be defined (pycudaflash.compiler.defines)"
+#endif
+// The dQi staging tiles, DQ_STAGES of [Br][DQS_LD] floats, with DQ_BULK up to
+// head dim 128 (above it the shared memory is full).
+#define DQ_STAGES 2
+#if DQ_BULK && HEAD_DIM <= 128
+#define DQS_LD HEAD_DIM
+#define DQS_FLOATS (DQ_STAGES * B90_BR * DQS_LD)
+#else
+#define DQS_LD HEAD_DIM  // (no staging tiles)
+#define DQS_FLOATS 0
+#endif
 
 // scale * dQi into the float32 accumulator: rows i_w and i_w + 8 of this
 // thread (those below Nq) of a wgmma tile of NC columns from c0, whose
@@ -67,6 +91,20 @@ __device__ __forceinline__ void dq_add_rows(float *dQacc, i64 row_base, int i_w,
                 dq_add_pair(row, c0 + 8 * n + 2 * t, D, scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
         }
     }
+}
+
+// scale * dQi into the staging tile dQs (rows DQS_LD floats apart): rows i_w
+// and i_w + 8 of the tile (all of them; rows past Nq are never reduced), as
+// dq_add_rows.
+template <int NC>
+__device__ __forceinline__ void dq_stage_rows(float *dQs, int i_w, float scale, int c0, const float (&dq)[NC / 2],
+                                              int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int n = 0; n < NC / 8; ++n)
+            *reinterpret_cast<float2 *>(dQs + (i_w + 8 * r) * DQS_LD + c0 + 8 * n + 2 * t) =
+                make_float2(scale * dq[4 * n + 2 * r], scale * dq[4 * n + 2 * r + 1]);
 }
 
 // Write dKj (scaled) and dVj: rows j_w and j_w + 8 of this thread (those
@@ -174,12 +212,13 @@ __device__ __forceinline__ void issue_kv(float (&d)[N / 2], u32 a_addr, u32 b_ad
 #endif
 
 // dQi[:, c0:c0+NC] += scale * dSij Kj[:, c0:c0+NC] for this warpgroup (its
-// query rows mrow.. of the tile at i0), into the float32 accumulator: A =
+// query rows mrow.. of the tile at i0), into the staging tile dQs or, where
+// that is nullptr, straight into the float32 accumulator: A =
 // dSij (k step kk at a_addr + kk * DQ_A_STEP; dSij^T, MN-major, up to head
 // dim 128), B = Kj (MN-major), Bc/16 k steps over the keys.
 template <int NC>
-__device__ __forceinline__ void dq_product(float *dQacc, i64 row_base, int i0, int mrow, int Nq, int D, float scale,
-                                           u32 a_addr, u32 k_addr, int c0, int warp_in_wg, int g, int t) {
+__device__ __forceinline__ void dq_product(float *dQacc, float *dQs, i64 row_base, int i0, int mrow, int Nq, int D,
+                                           float scale, u32 a_addr, u32 k_addr, int c0, int warp_in_wg, int g, int t) {
     if (DQ_JIT) asm volatile("" : "+r"(a_addr), "+r"(k_addr));
     float dq[NC / 2];
     wgmma_fence();
@@ -198,15 +237,20 @@ __device__ __forceinline__ void dq_product(float *dQacc, i64 row_base, int i0, i
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_hold(dq);
-    dq_add_rows<NC>(dQacc, row_base, i0 + mrow + 16 * warp_in_wg + g, Nq, D, scale, c0, dq, t);
+    const int i_w = mrow + 16 * warp_in_wg + g;  // this thread's first row in the tile (and i_w + 8)
+    if (dQs != nullptr)
+        dq_stage_rows<NC>(dQs, i_w, scale, c0, dq, t);
+    else
+        dq_add_rows<NC>(dQacc, row_base, i0 + i_w, Nq, D, scale, c0, dq, t);
 }
 
 // flash_bwd_dkdv_kernel (its parameters: FLASH_BWD_DKDV_KERNEL, flash_bwd_rows.cuh).
 // Shared memory (the layout below): Kj, Vj; Qi, dOi in two stages; dSij^T
-// (Pij and dSij above head dim 128); Li, Di in two stages; alignment slack.
+// (Pij and dSij above head dim 128); Li, Di in two stages; the dQi staging
+// tile (up to head dim 128); alignment slack.
 LAUNCH_SHAPE(flash_bwd_dkdv_kernel, B90_THREADS, B90_BC,
              ((2 * B90_BC + 4 * B90_BR) * HDP + (HEAD_DIM <= 128 ? 1 : 2) * B90_BC * B90_BR) * sizeof(elem_t) +
-                 4 * B90_BR * sizeof(float) + SMEM_ALIGN);
+                 (4 * B90_BR + DQS_FLOATS) * sizeof(float) + SMEM_ALIGN);
 TILE_MAP(flash_bwd_dkdv_kernel, B90_BR, B90_BC);
 FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -223,12 +267,26 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
     float *Ls = reinterpret_cast<float *>(dSs + B90_BR * B90_BC);       // [2][Br], Li * log2(e)
 #endif
     float *Ds = Ls + 2 * B90_BR;                                        // [2][Br]
+    float *dQs = Ds + 2 * B90_BR;  // [DQ_STAGES][Br][DQS_LD]: dQi for the copy engine (16-byte aligned: Br even)
 
     const int tid = threadIdx.x, wg = tid / WG_THREADS, lane = tid % WARP_SIZE;
     const int warp_in_wg = (tid % WG_THREADS) / WARP_SIZE;
     const int g = lane >> 2, t = lane & 3;
     const KeyTile<elem_t> blk = key_tile<B90_BC, B90_BR>(Q, dO, mask, tmap, key_lengths, Nq, Nk, args);
     const int tr_begin = blk.qt.begin, tr_end = blk.qt.end;
+    // dQi through the staging tiles and the copy engine (see the top of the
+    // file); thread 0 issues the reductions.  staged_i0: the first row of the
+    // query tile whose dQi waits in buffer staged_buf to be reduced (-1: none).
+    const bool dq_bulk = DQS_FLOATS > 0 && dQacc != nullptr && D == HEAD_DIM;
+    const bool dq_issuer = dq_bulk && tid == 0;
+    int staged_i0 = -1, staged_buf = 0;
+    auto reduce_staged = [&]() {
+        if (dq_issuer && staged_i0 >= 0) {
+            bulk_reduce_add_f32(dQacc + (blk.row_base + staged_i0) * D, dQs + staged_buf * B90_BR * DQS_LD,
+                                (u32)(min(B90_BR, Nq - staged_i0) * D * sizeof(float)));
+            bulk_commit();
+        }
+    };
 
 #if HEAD_DIM <= 128
     const int k_last = min(blk.k0 + B90_BC, blk.mp.kl) - 1;  // (last key of this tile)
@@ -312,8 +370,11 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         fence_proxy_async();
         // Every thread's loads are visible to all threads and the tensor cores;
         // every warpgroup is done with the other stage (tile it-1) and with dSij^T
-        // (Pij and dSij above head dim 128).
+        // (Pij and dSij above head dim 128); tile it-1's dQi is staged.
         __syncthreads();
+        reduce_staged();  // (tile it-1's dQi, under this tile's products)
+        staged_i0 = dq_bulk ? i0 : -1;
+        staged_buf = it % DQ_STAGES;
         tr_next = next_tile(kinds, kinds_stride, tr + 1, tr_end);  // (the tile to prefetch)
         if (tr_next < tr_end) load_q_tile(tr_next, st ^ 1);
         cp_async_commit();
@@ -397,19 +458,23 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
             // stores); an empty warpgroup's rows are zero from the start.
             if (wg_live) store_dsT(dsT);
             fence_proxy_async();
-            // dSij^T of both warpgroups is visible to the tensor cores.
+            // (the copy engine has read tile it-2's dQi from this tile's buffer)
+            if (dq_issuer) bulk_wait_read<DQ_STAGES - 1>();
+            // dSij^T of both warpgroups is visible to the tensor cores; this
+            // tile's dQs buffer is free.
             __syncthreads();
+            float *const stage = dq_bulk ? dQs + staged_buf * B90_BR * DQS_LD : nullptr;
 #pragma unroll
             for (int mblk = 0; mblk < B90_BR / 64; ++mblk) {
                 const u32 a_addr = ds_addr + mblk * B90_BC * SWZ_ROW_BYTES;  // dSij^T of query rows 64 mblk..
                 if (wg == 0)
-                    dq_product<DQ_N0>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr, 0,
-                                      warp_in_wg,
-                                      g, t);
-                else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
-                    dq_product<DQ_N1>(dQacc, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr, DQ_N0,
+                    dq_product<DQ_N0>(dQacc, stage, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr, 0,
                                       warp_in_wg, g, t);
+                else if (B90_WGS == 2 || wg == 1)  // (a third warpgroup computes no dQi)
+                    dq_product<DQ_N1>(dQacc, stage, blk.row_base, i0, 64 * mblk, Nq, D, args.scale, a_addr, k_addr,
+                                      DQ_N0, warp_in_wg, g, t);
             }
+            if (dq_bulk) fence_proxy_async();  // (this thread's part of dQs, for the copy engine)
         }
         wgmma_wait<0>();  // dVj, dKj products are done: pT, dsT free
         wgmma_hold(dv);
@@ -479,13 +544,22 @@ FLASH_BWD_DKDV_KERNEL(B90_THREADS) {
         if (dQacc != nullptr) {
 #pragma unroll 1
             for (int c = 0; c < DQ_CHUNKS; ++c)
-                dq_product<DQ_CHUNK>(dQacc, blk.row_base, i0, 0, Nq, D, args.scale, ds_addr, k_addr,
+                dq_product<DQ_CHUNK>(dQacc, nullptr, blk.row_base, i0, 0, Nq, D, args.scale, ds_addr, k_addr,
                                      (HEAD_DIM / 2) * wg + DQ_CHUNK * c, warp_in_wg, g, t);
         }
         wgmma_wait<0>();  // the dVj, dKj products are done
         wgmma_hold(dv);
         wgmma_hold(dk);
 #endif
+    }
+
+    // The last query tile's dQi, staged by every thread, goes to the copy
+    // engine; the block waits until the engine is done with it.
+    if (staged_i0 >= 0) {
+        // Every thread's part of the last tile's dQi is in dQs.
+        __syncthreads();
+        reduce_staged();
+        if (dq_issuer) bulk_wait<0>();
     }
 
     // Write dKj (scaled) and dVj; key tiles no query sees get zeros.

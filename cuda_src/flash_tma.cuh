@@ -23,6 +23,10 @@
 // threads of a warpgroup, and the block's total must stay within the launch's.
 // Named barriers (bar.sync / bar.arrive with an id and a thread count) order
 // consumer warpgroups among themselves without stopping the producer.
+//
+// Bulk reductions (cp.reduce.async.bulk) add a buffer of shared memory into
+// global memory through the same copy engine: the Hopper backward adds its
+// staged dQi tiles that way.
 
 #pragma once
 // (included by flash_common_sm90.cuh, after smem_addr, u32, u64 and fence_proxy_async)
@@ -94,22 +98,39 @@ __device__ __forceinline__ void tma_load(void *dst, const TmaMap *map, u64 *bar,
 }
 
 // Copy the shared-memory box at `src` to coordinates (col, row, h, b) of
-// `map` (elements outside the tensor are not written).  Bulk groups: commit
-// after issuing, and wait before `src` is reused or the kernel exits.
+// `map` (elements outside the tensor are not written).  A bulk operation:
+// commit and wait as below.
 __device__ __forceinline__ void tma_store(const TmaMap *map, const void *src, int col, int row, int h, int b) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                      map),
                  "r"(smem_addr(src)), "r"(col), "r"(row), "r"(h), "r"(b)
                  : "memory");
 }
-__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Wait until at most N committed store groups still read shared memory.
-template <int N>
-__device__ __forceinline__ void tma_store_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+
+// dst[0, bytes/4) += src[0, bytes/4) in float32, element by element, done by the
+// copy engine at the L2 (atomic per element against other blocks' additions);
+// dst and src 16-byte aligned, bytes a multiple of 16.  A bulk operation.
+__device__ __forceinline__ void bulk_reduce_add_f32(float *dst, const float *src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(smem_addr(src)), "r"(bytes)
+                 : "memory");
 }
 
-// (A TMA store of shared memory written by threads follows fence_proxy_async
+// Bulk groups, per thread: commit the bulk operations this thread issued
+// since its last commit as one group; wait until at most N of its committed
+// groups still read shared memory (_read: the source may then be reused) or
+// are still running at all (their global writes done).
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// (A bulk operation reading shared memory written by threads follows fence_proxy_async
 // in each writer and a barrier among them: flash_common_sm90.cuh.)
 
 // ------------------------------------------------ registers, named barriers

@@ -586,6 +586,43 @@ def test_backward_accumulator_reused_across_calls_and_streams(
         _assert_all(_backward_checks(p, x, "cuda", *bufs[:5]), p, "cuda")
 
 
+# The Hopper backward's dQ through staged tiles and the copy engine (head dims
+# 64, 96 and 128, where D is the bucket's; Tiles.bwd90_dq_bulk): one query
+# tile (Nq 1), a partial last tile (65, 257), many tiles (700), grouped heads,
+# a band, key lengths with a head that sees no key; D 120 (bucket 128) takes
+# the atomics beside them.
+_STAGED_DQ_PROBLEMS = (
+    AttentionProblem(B=2, H=2, Nq=1, Nk=300, D=64, dtype="bfloat16", seed=41),
+    AttentionProblem(B=1, H=4, Nq=700, Nk=300, D=64, dtype="float16", causal="bottom_right", Hkv=2, seed=42),
+    AttentionProblem(B=2, H=2, Nq=257, Nk=129, D=96, dtype="bfloat16", window=(100, 20), seed=43),
+    AttentionProblem(B=2, H=3, Nq=65, Nk=700, D=128, dtype="float16", key_lengths=(0, 513), seed=44),
+    AttentionProblem(B=1, H=2, Nq=700, Nk=700, D=128, dtype="bfloat16", causal=True, Hkv=1, seed=45),
+    AttentionProblem(B=1, H=2, Nq=257, Nk=300, D=120, dtype="bfloat16", seed=46),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dq_bulk", [0, 1], ids=["atomics", "bulk"])
+@pytest.mark.parametrize("problem", _STAGED_DQ_PROBLEMS, ids=lambda p: f"D{p.D}-Nq{p.Nq}")
+def test_backward_dq_through_staged_tiles(cuda: None, monkeypatch: pytest.MonkeyPatch, problem: AttentionProblem,
+                                          dq_bulk: int) -> None:
+    """dq of the atomic backward, with Tiles.bwd90_dq_bulk off and on (on Hopper: staged tiles
+    added by the copy engine), against the float64 reference, twice in a row into poisoned
+    buffers (a staging buffer or accumulator row left over from the first call would show in
+    the second)."""
+    import pycuda.driver as drv
+
+    monkeypatch.delenv(compiler.HOPPER_ENV, raising=False)
+    monkeypatch.setenv(compiler.TILES_ENV, ";".join(f"h{hd}:bwd90_dq_bulk={dq_bulk}" for hd in (64, 96, 128)))
+    clear_plans()
+    x = make_inputs(problem)
+    for _ in range(2):
+        bufs = _launch_backward(problem, x, "cuda", deterministic=False)
+        drv.Context.synchronize()
+        _assert_all(_backward_checks(problem, x, "cuda", *bufs[:5]), problem, "cuda")
+    clear_plans()
+
+
 @pytest.mark.gpu
 def test_numpy_inputs_run_on_gpu_by_default(cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from pycudaflash import cpu
