@@ -54,11 +54,11 @@ __device__ __forceinline__ void load_block_kv(elem_t *Kj, elem_t *Vj, const elem
                                               const KeyTile<elem_t> &blk, const AttnParams &args, int Nq, int D,
                                               int tid) {
     const int hk = kv_head(blk.h, args.kv_group);
-    const KeyRange kr = seen_keys(0, Nq, Nq, blk.mp.kl, args.band_lo, args.band_hi);
+    const KeyRange kr = seen_keys(0, Nq, Nq, blk.mp.kl, args.band_lo, args.band_hi, mask_seen(blk.mp));
     load_tile<KEYS, NTHREADS, SWZ>(Kj, K + (i64)blk.b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, blk.k0, kr.hi, D,
-                                   args.vec, tid, kr.lo);
+                                   args.vec, tid, kr.lo, range_bits(kr));
     load_tile<KEYS, NTHREADS, SWZ>(Vj, V + (i64)blk.b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, blk.k0, kr.hi, D,
-                                   args.vec, tid, kr.lo);
+                                   args.vec, tid, kr.lo, range_bits(kr));
 }
 
 // ------------------------------------------------------------- preprocess
@@ -104,7 +104,8 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
     // registers at large head dims.
     __shared__ KeyRange seen;
     __shared__ const unsigned char *kinds;
-    if (tid == 0) seen = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi), kinds = map_row(mp, q0 / DQ_BR);
+    if (tid == 0)
+        seen = seen_keys(q0, DQ_BR, Nq, mp.kl, args.band_lo, args.band_hi, mask_seen(mp)), kinds = map_row(mp, q0 / DQ_BR);
     // seen and kinds are visible to every thread.
     __syncthreads();
     const int tc_begin = next_tile(kinds, 1, kt.begin, kt.end), tc_end = kt.end;
@@ -135,10 +136,10 @@ flash_bwd_dq_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, 
         const int k0 = tc * DQ_BC;
         const int hk = kv_head(h, args.kv_group);  // the K/V head this query head reads
         const KeyRange kr = seen;
-        load_tile<DQ_BC, DQ_THREADS>(Kj, K + (i64)b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, k0, kr.hi, D,
-                                     args.vec, tid, kr.lo);
-        load_tile<DQ_BC, DQ_THREADS>(Vj, V + (i64)b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, k0, kr.hi, D,
-                                     args.vec, tid, kr.lo);
+        load_tile<DQ_BC, DQ_THREADS, false, false, true>(Kj, K + (i64)b * args.k_sb + (i64)hk * args.k_sh, args.k_sn, k0, kr.hi, D,
+                                     args.vec, tid, kr.lo, range_bits(kr));
+        load_tile<DQ_BC, DQ_THREADS, false, false, true>(Vj, V + (i64)b * args.v_sb + (i64)hk * args.v_sh, args.v_sn, k0, kr.hi, D,
+                                     args.vec, tid, kr.lo, range_bits(kr));
         cp_async_commit();
         cp_async_wait<0>();
         // Qi, dOi, Kj, Vj are in shared memory for every thread.

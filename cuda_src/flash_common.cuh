@@ -223,33 +223,93 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix (row stride `stride` floats, rows [row_lo, nrows) and `ncols`
-// = D columns valid) into smem[ROWS][LD_HEAD]; everything outside is
-// zero-filled.  vec: 16-byte copies (D % 4 == 0, 16-byte aligned base and
-// stride).
-template <int ROWS, int NTHREADS, bool SWZ = false>
-__device__ __forceinline__ void load_tile(float *smem, const float *gmem, i64 stride, int row0, int nrows, int ncols,
-                                          bool vec, int tid, int row_lo = 0) {
-    static_assert(!SWZ, "float32 tiles are row-major");
+// Seen-key bits (written beside a block map, see map_plane): bit j % 32 of
+// word j / 32 is set where some query row may see key j under the dense mask,
+// the mask modifier and the band; nullptr: every key.
+__device__ __forceinline__ bool bit_set(const u32 *bits, int j) {
+    return !bits || ((__ldg(bits + (j >> 5)) >> (j & 31)) & 1u);
+}
+
+// Whether every j in [lo, hi) has its bit (true for an empty range or no bits).
+__device__ __forceinline__ bool bits_all_set(const u32 *bits, int lo, int hi) {
+    if (!bits || hi <= lo) return true;
+    const int w_first = lo >> 5, w_last = (hi - 1) >> 5;
+    for (int w = w_first; w <= w_last; ++w) {
+        u32 need = ~0u;
+        if (w == w_first) need &= ~0u << (lo & 31);
+        if (w == w_last) need &= ~0u >> (31 - ((hi - 1) & 31));
+        if ((__ldg(bits + w) & need) != need) return false;
+    }
+    return true;
+}
+
+// bits_all_set for a range inside [row0, row0 + ROWS), unrolled over its at
+// most ROWS / 32 + 1 words (fewer registers where a loop would keep its own).
+template <int ROWS>
+__device__ __forceinline__ bool tile_bits_all_set(const u32 *bits, int row0, int lo, int hi) {
+    if (!bits || hi <= lo) return true;
+    u32 missing = 0u;
+#pragma unroll
+    for (int w = 0; w <= (ROWS + 31) / 32; ++w) {
+        const int j0 = (row0 & ~31) + 32 * w;  // keys j0 .. j0 + 31 of word j0 / 32
+        const int a = max(lo - j0, 0), b = min(hi - j0, 32);
+        if (a < b) {
+            const u32 need = (b == 32 ? ~0u : (1u << b) - 1u) & (~0u << a);
+            missing |= need & ~__ldg(bits + (j0 >> 5));
+        }
+    }
+    return missing == 0u;
+}
+
+// load_tile's copies, their loop unrolled UNROLL times; BITS: also test each
+// row's bit in row_bits (a tile holding keys that no row may see, rare: a
+// rolled loop, which keeps few registers).  Kernels with a block map unroll
+// the plain copies less: they hold the seen-key bits' pointer through the
+// loop over Kj besides.
+constexpr int COPY_UNROLL = TILE_MAPS ? 2 : 4;
+template <int ROWS, int NTHREADS, bool BITS, int UNROLL>
+__device__ __forceinline__ void copy_rows(float *smem, const float *gmem, i64 stride, int row0, int nrows, int ncols,
+                                          bool vec, int tid, int row_lo, const u32 *row_bits) {
     if (vec) {
         constexpr int CHUNKS = HEAD_DIM / 4;
-#pragma unroll 4
+#pragma unroll(BITS ? 1 : UNROLL)
         for (int c = tid; c < ROWS * CHUNKS; c += NTHREADS) {
             const int r = c / CHUNKS, col = 4 * (c % CHUNKS);
-            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
+            const bool ok =
+                (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols) && (!BITS || bit_set(row_bits, row0 + r));
             const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
             cp_async16(smem + r * LD_HEAD + col, src, ok);
         }
     } else {
-#pragma unroll 4
+#pragma unroll(BITS ? 1 : UNROLL)
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
             const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
+            const bool ok =
+                (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols) && (!BITS || bit_set(row_bits, row0 + r));
             const float *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
             cp_async4(smem + r * LD_HEAD + col, src, ok);
         }
     }
+}
+
+// Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
+// global matrix (row stride `stride` floats, rows [row_lo, nrows) whose bit
+// is set in row_bits (bit_set) and `ncols` = D columns valid) into
+// smem[ROWS][LD_HEAD]; everything outside is zero-filled.  vec: 16-byte
+// copies (D % 4 == 0, 16-byte aligned base and stride).  (WHOLE as the
+// 16-bit load_tile's; a tile with row bits always takes a copy loop of its
+// own here, and LEAN_BITS, in a kernel with a block map, rolls the plain
+// copy loop as well.)
+template <int ROWS, int NTHREADS, bool SWZ = false, bool WHOLE = false, bool LEAN_BITS = false>
+__device__ __forceinline__ void load_tile(float *smem, const float *gmem, i64 stride, int row0, int nrows, int ncols,
+                                          bool vec, int tid, int row_lo = 0, const u32 *row_bits = nullptr) {
+    static_assert(!SWZ, "float32 tiles are row-major");
+    constexpr int PLAIN_UNROLL = (LEAN_BITS && TILE_MAPS) ? 1 : COPY_UNROLL;
+    if (tile_bits_all_set<ROWS>(row_bits, row0, max(row0, row_lo), min(row0 + ROWS, nrows)))
+        copy_rows<ROWS, NTHREADS, false, PLAIN_UNROLL>(smem, gmem, stride, row0, nrows, ncols, vec, tid, row_lo,
+                                                      nullptr);
+    else
+        copy_rows<ROWS, NTHREADS, true, 1>(smem, gmem, stride, row0, nrows, ncols, vec, tid, row_lo, row_bits);
 }
 
 // ------------------------------------------------------------------ masks
@@ -264,6 +324,7 @@ struct MaskParams {
 #if TILE_MAPS
     const unsigned char *tmap;  // the block map's plane at (b, h), nullptr: none (see map_plane)
     int tm_nk;                  // key tiles a row of it
+    const u32 *seen;            // the plane's seen-key bits (nullptr: none)
 #endif
 #if MODS
     int b, h;                // batch element and head (of the modifiers)
@@ -283,17 +344,27 @@ __device__ __forceinline__ void mask_head(MaskParams &mp, int b, int h) {
 #endif
 }
 
-// The plane at (batch b, head h) of a block map (tmap, written by
-// flash_tile_map or flash_mod_tile_map; nullptr: none) for a kernel's tiles
-// of BR_ rows x BC_ keys: ceil(Nq / BR_) x ceil(Nk / BC_) bytes, row-major.
-// A map has a plane for each (b, h) of the bool mask and the mask modifier
-// together: one for a dimension the mask broadcasts over and the modifier
-// does not read.
+// A block map (written by flash_tile_map or flash_mod_tile_map) for a
+// kernel's tiles of br rows x bc keys has a plane for each (b, h) of the
+// bool mask and the mask modifier together (one for a dimension the mask
+// broadcasts over and the modifier does not read).  A plane holds the kinds
+// of its `tiles` = ceil(Nq / br) x ceil(Nk / bc) tiles, one byte each,
+// row-major, then, from the next multiple of 4 bytes, its seen-key bits
+// (bit_set): ceil(Nk / 32) words, the keys that some row may see under the
+// mask, the modifier and the band.  (pycudaflash.cuda_backend sizes maps
+// the same way.)
+__device__ __forceinline__ i64 map_bits_offset(i64 tiles) { return (tiles + 3) / 4 * 4; }
+__device__ __forceinline__ i64 map_plane_bytes(i64 tiles, int Nk) {
+    return map_bits_offset(tiles) + 4 * (i64)((Nk + 31) / 32);
+}
+
+// The plane at (batch b, head h) of a block map (tmap; nullptr: none) for a
+// kernel's tiles of BR_ rows x BC_ keys.
 template <int BR_, int BC_>
 __device__ __forceinline__ const unsigned char *map_plane(const unsigned char *tmap, const AttnParams &args, int Nq,
                                                           int Nk, int b, int h) {
 #if TILE_MAPS
-    const i64 plane = (i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_);
+    const i64 plane = map_plane_bytes((i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_), Nk);
     bool per_b = false, per_h = false;
 #if MASK_MODE == 1
     per_b = args.m_sb != 0;
@@ -310,9 +381,17 @@ __device__ __forceinline__ const unsigned char *map_plane(const unsigned char *t
 #endif
 }
 
+// The seen-key bits of a plane of a kernel's block map (nullptr: none).
+template <int BR_, int BC_>
+__device__ __forceinline__ const u32 *plane_seen(const unsigned char *plane, int Nq, int Nk) {
+    return plane ? reinterpret_cast<const u32 *>(
+                       plane + map_bits_offset((i64)((Nq + BR_ - 1) / BR_) * ((Nk + BC_ - 1) / BC_)))
+                 : nullptr;
+}
+
 // The masking rules of a call for one (batch b, head h): band, key length kl
 // (see key_length), dense mask, the block map's plane for the kernel's tiles
-// of BR_ rows x BC_ keys (map_plane), modifiers.
+// of BR_ rows x BC_ keys (map_plane) and its seen-key bits, modifiers.
 template <int BR_, int BC_>
 __device__ __forceinline__ MaskParams mask_params(const void *mask, const unsigned char *tmap, const AttnParams &args,
                                                   int kl, int nq, int Nk, int b, int h) {
@@ -321,6 +400,7 @@ __device__ __forceinline__ MaskParams mask_params(const void *mask, const unsign
 #if TILE_MAPS
     mp.tmap = map_plane<BR_, BC_>(tmap, args, nq, Nk, b, h);
     mp.tm_nk = (Nk + BC_ - 1) / BC_;
+    mp.seen = plane_seen<BR_, BC_>(mp.tmap, nq, Nk);
 #else
     (void)tmap;
 #endif
@@ -347,18 +427,53 @@ struct TileRange {
 };
 
 // Keys [lo, hi) that any of the query rows [q0, q0 + rows) may see under
-// the band (band_lo, band_hi), key length kl and nq rows (hi <= lo: none).
+// the band (band_lo, band_hi), key length kl and nq rows (hi <= lo: none),
+// and of those the ones whose bit is set in the seen-key bits of the block
+// map (seen; nullptr: all of them).
 struct KeyRange {
     int lo, hi;
+#if TILE_MAPS
+    const u32 *seen;
+#endif
 };
-__device__ __forceinline__ KeyRange seen_keys(int q0, int rows, int nq, int kl, int band_lo, int band_hi) {
+__device__ __forceinline__ KeyRange seen_keys(int q0, int rows, int nq, int kl, int band_lo, int band_hi,
+                                              const u32 *seen = nullptr) {
     const int q_last = min(q0 + rows, nq) - 1;
+#if TILE_MAPS
+    return {max(0, q0 + band_lo), min(kl, q_last + band_hi + 1), seen};
+#else
+    (void)seen;
     return {max(0, q0 + band_lo), min(kl, q_last + band_hi + 1)};
+#endif
+}
+
+// The seen-key bits of a key range and of masking rules (nullptr: none).
+__device__ __forceinline__ const u32 *range_bits(const KeyRange &kr) {
+#if TILE_MAPS
+    return kr.seen;
+#else
+    (void)kr;
+    return nullptr;
+#endif
+}
+__device__ __forceinline__ const u32 *mask_seen(const MaskParams &mp) {
+#if TILE_MAPS
+    return mp.seen;
+#else
+    (void)mp;
+    return nullptr;
+#endif
+}
+
+// Whether key j is one of the keys kr.
+__device__ __forceinline__ bool key_in(const KeyRange &kr, int j) {
+    return j >= kr.lo && j < kr.hi && bit_set(range_bits(kr), j);
 }
 
 // Key tiles (of bc keys) that any of the query rows [q0, q0 + rows) may see.
 // The K and V loads zero-fill the keys of those tiles outside seen_keys, so
-// that a NaN or Inf stored in a key no row may see never meets a zero
+// that a NaN or Inf stored in a key no row may see (under the band, or the
+// dense mask and mask modifier: the seen-key bits) never meets a zero
 // probability in a product.
 __device__ __forceinline__ TileRange key_tiles(int q0, int rows, int nq, int kl, int band_lo, int band_hi, int bc) {
     const KeyRange kr = seen_keys(q0, rows, nq, kl, band_lo, band_hi);
@@ -453,27 +568,53 @@ __device__ __forceinline__ bool tile_needs_mask(const MaskParams &mp, int i0, in
 // per tile of the map (grid: its tiles, its heads, its batch elements): the
 // warps take the tile's rows in turn and their lanes the keys, each asking
 // keep(i, j) of its elements; a tile past Nq or Nk counts the elements that
-// exist.
+// exist.  The keys kept for a row of the band (band_lo <= j - i <= band_hi)
+// are added to the plane's seen-key bits (cleared first: flash_clear_seen).
 template <typename Keep>
-__device__ __forceinline__ void tile_map_votes(unsigned char *tmap, int Nq, int Nk, int br, int bc, Keep keep) {
+__device__ __forceinline__ void tile_map_votes(unsigned char *tmap, int Nq, int Nk, int br, int bc, int band_lo,
+                                               int band_hi, Keep keep) {
+    constexpr int WARPS = GRID_STRIDE_THREADS / WARP_SIZE;
     const int nk = (Nk + bc - 1) / bc;
     const int r = blockIdx.x / nk, c = blockIdx.x - r * nk;
     const int i0 = r * br, j0 = c * bc;
     const int rows = min(br, Nq - i0), cols = min(bc, Nk - j0);
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    unsigned char *plane = tmap + ((i64)blockIdx.z * gridDim.y + blockIdx.y) * map_plane_bytes(gridDim.x, Nk);
+    u32 *seen = reinterpret_cast<u32 *>(plane + map_bits_offset(gridDim.x));
     bool any = false, all = true;
-    for (int i = warp; i < rows; i += GRID_STRIDE_THREADS / WARP_SIZE)
-        for (int j = lane; j < cols; j += WARP_SIZE) {
-            const bool k = keep(i0 + i, j0 + j);
-            any |= k;
-            all &= k;
+    for (int j_w = 0; j_w < cols; j_w += WARP_SIZE) {  // (the same in every lane: the vote below)
+        const int j = j0 + j_w + lane;
+        bool seen_j = false;
+        if (j_w + lane < cols)
+            for (int i = i0 + warp; i < i0 + rows; i += WARPS) {
+                const bool k = keep(i, j);
+                any |= k;
+                all &= k;
+                seen_j |= k && j - i >= band_lo && j - i <= band_hi;
+            }
+        // This warp's seen keys of j0 + j_w .. + 31, into the one or two words they fall in.
+        const u32 votes = __ballot_sync(0xffffffffu, seen_j);
+        const int first = j0 + j_w, shift = first & 31;
+        if (lane == 0 && votes) {
+            atomicOr(seen + (first >> 5), votes << shift);
+            if (shift && (votes >> (32 - shift))) atomicOr(seen + (first >> 5) + 1, votes >> (32 - shift));
         }
+    }
     // (the block's votes: every thread's any and all are in)
     any = __syncthreads_or(any);
     all = __syncthreads_and(all);
-    if (threadIdx.x == 0)
-        tmap[((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] =
-            !any ? TILE_EMPTY : (all ? TILE_FULL : TILE_PARTIAL);
+    if (threadIdx.x == 0) plane[blockIdx.x] = !any ? TILE_EMPTY : (all ? TILE_FULL : TILE_PARTIAL);
+}
+
+// The seen-key bits of every plane of a block map of `tiles` tiles a plane
+// cleared (grid: 1, its heads, its batch elements), before its build.
+LAUNCH_SHAPE(flash_clear_seen, GRID_STRIDE_THREADS, 1, 0);
+extern "C" __global__ void __launch_bounds__(GRID_STRIDE_THREADS)
+flash_clear_seen(unsigned char *__restrict__ tmap, int Nk, int tiles, const __grid_constant__ AttnParams args) {
+    (void)args;
+    unsigned char *plane = tmap + ((i64)blockIdx.z * gridDim.y + blockIdx.y) * map_plane_bytes(tiles, Nk);
+    u32 *seen = reinterpret_cast<u32 *>(plane + map_bits_offset(tiles));
+    for (int w = threadIdx.x; w < (Nk + 31) / 32; w += GRID_STRIDE_THREADS) seen[w] = 0u;
 }
 
 // The block map of a bool mask, and of the mask modifier with it (the
@@ -486,7 +627,7 @@ flash_tile_map(const unsigned char *__restrict__ mask, unsigned char *__restrict
 #if MASK_MOD
     const ModHead hv = mod_head(blockIdx.z, blockIdx.y, args.mods);
 #endif
-    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) {
+    tile_map_votes(tmap, Nq, Nk, br, bc, args.band_lo, args.band_hi, [&](int i, int j) {
 #if MASK_MOD
         return m[(i64)i * args.m_sq + (i64)j * args.m_sk] != 0 &&
                mask_mod(0.f, blockIdx.z, blockIdx.y, i, j, args.mods, hv);
@@ -505,7 +646,8 @@ flash_mod_tile_map(unsigned char *__restrict__ tmap, int Nq, int Nk, int br, int
                    const __grid_constant__ AttnParams args) {
     const int b = blockIdx.z, h = blockIdx.y;
     const ModHead hv = mod_head(b, h, args.mods);
-    tile_map_votes(tmap, Nq, Nk, br, bc, [&](int i, int j) { return (bool)mask_mod(0.f, b, h, i, j, args.mods, hv); });
+    tile_map_votes(tmap, Nq, Nk, br, bc, args.band_lo, args.band_hi,
+                   [&](int i, int j) { return (bool)mask_mod(0.f, b, h, i, j, args.mods, hv); });
 }
 #endif
 

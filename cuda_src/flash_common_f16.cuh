@@ -195,18 +195,21 @@ __device__ __forceinline__ int swz(int r, int c) {
 constexpr bool SWIZZLED = true;  // (load_tile's layout argument)
 
 // load_tile's 16-byte copies; CHECKED: test each chunk's row and column
-// (zero-filling the invalid ones), else copy every chunk.
-template <int ROWS, int NTHREADS, bool SWZ, bool CHECKED>
+// (zero-filling the invalid ones), else copy every chunk; BITS: also test
+// each row's bit in row_bits (a tile holding keys that no row may see, rare:
+// a loop that keeps few registers).
+template <int ROWS, int NTHREADS, bool SWZ, bool CHECKED, bool BITS = false, bool ROLLED = false>
 __device__ __forceinline__ void copy_chunks(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows,
-                                            int ncols, int tid, int row_lo) {
+                                            int ncols, int tid, int row_lo, const u32 *row_bits) {
     constexpr int CHUNKS = HEAD_DIM / ELEMS_PER_16B;  // 16-byte chunks per row
     constexpr int ITERS = (ROWS * CHUNKS + NTHREADS - 1) / NTHREADS;
-#pragma unroll
+#pragma unroll(ROLLED ? 1 : ITERS)
     for (int it = 0; it < ITERS; ++it) {
         const int c = tid + it * NTHREADS;
         if ((ROWS * CHUNKS) % NTHREADS == 0 || c < ROWS * CHUNKS) {
             const int r = c / CHUNKS, col = ELEMS_PER_16B * (c % CHUNKS);
-            const bool ok = !CHECKED || ((row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols));
+            const bool ok =
+                !CHECKED || ((row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols) && (!BITS || bit_set(row_bits, row0 + r)));
             const elem_t *src = ok ? gmem + (i64)(row0 + r) * stride + col : gmem;
             cp_async16((float *)(smem + (SWZ ? swz<ROWS>(r, col) : r * LDH + col)), (const float *)src, ok);
         }
@@ -214,26 +217,33 @@ __device__ __forceinline__ void copy_chunks(elem_t *smem, const elem_t *gmem, i6
 }
 
 // Copy rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major
-// global matrix (row stride `stride` elements, rows [row_lo, nrows) and
-// `ncols` = D columns valid) into a shared tile, row-major [ROWS][LDH] or
+// global matrix (row stride `stride` elements, rows [row_lo, nrows) whose
+// bit is set in row_bits (bit_set) and `ncols` = D columns valid) into a
+// shared tile, row-major [ROWS][LDH] or
 // (SWZ) swizzled; everything outside is zero-filled.  vec: 16-byte cp.async
 // (D % 8 == 0, 16-byte aligned base and row stride); otherwise element-wise
 // loads and stores (visible after the next barrier).  WHOLE: a tile whose
 // every element is valid (the same answer in every thread) copies without a
 // test per chunk (a second copy loop: faster where registers allow it).
-template <int ROWS, int NTHREADS, bool SWZ = false, bool WHOLE = false>
+// LEAN_BITS: a tile with row bits takes a rolled copy loop of its own.
+template <int ROWS, int NTHREADS, bool SWZ = false, bool WHOLE = false, bool LEAN_BITS = false>
 __device__ __forceinline__ void load_tile(elem_t *smem, const elem_t *gmem, i64 stride, int row0, int nrows, int ncols,
-                                          bool vec, int tid, int row_lo = 0) {
+                                          bool vec, int tid, int row_lo = 0, const u32 *row_bits = nullptr) {
+    if (bits_all_set(row_bits, max(row0, row_lo), min(row0 + ROWS, nrows))) row_bits = nullptr;
     if (vec) {
-        if (WHOLE && row0 >= row_lo && row0 + ROWS <= nrows && ncols >= HEAD_DIM)
-            copy_chunks<ROWS, NTHREADS, SWZ, false>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo);
+        if (LEAN_BITS && row_bits)  // (a copy loop of its own that keeps few registers)
+            copy_chunks<ROWS, NTHREADS, SWZ, true, true, true>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo,
+                                                              row_bits);
+        else if (WHOLE && row0 >= row_lo && row0 + ROWS <= nrows && ncols >= HEAD_DIM && !row_bits)
+            copy_chunks<ROWS, NTHREADS, SWZ, false>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo, nullptr);
         else
-            copy_chunks<ROWS, NTHREADS, SWZ, true>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo);
+            copy_chunks<ROWS, NTHREADS, SWZ, true, !LEAN_BITS>(smem, gmem, stride, row0, nrows, ncols, tid, row_lo,
+                                                              row_bits);
     } else {
         const elem_t zero = from_float(0.f);
         for (int c = tid; c < ROWS * HEAD_DIM; c += NTHREADS) {
             const int r = c / HEAD_DIM, col = c % HEAD_DIM;
-            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols);
+            const bool ok = (row0 + r >= row_lo) && (row0 + r < nrows) && (col < ncols) && bit_set(row_bits, row0 + r);
             smem[SWZ ? swz<ROWS>(r, col) : r * LDH + col] = ok ? gmem[(i64)(row0 + r) * stride + col] : zero;
         }
     }

@@ -88,7 +88,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // kept in shared memory: the registers go to the products (the loop's
     // first barrier publishes them).
     const TileRange kt = key_tiles(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi, BC);
-    const KeyRange kr = seen_keys(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
+    const KeyRange kr = seen_keys(q0, BR, Nq, mp.kl, args.band_lo, args.band_hi, mask_seen(mp));  // (the rest zero-filled)
     const int tc_begin = next_tile(map_row(mp, q0 / BR), 1, kt.begin, kt.end), tc_end = kt.end;
     __shared__ const unsigned char *kinds;
     if (tid == 0) kinds = map_row(mp, q0 / BR);
@@ -110,7 +110,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     if (tc_begin < tc_end) {
         // Load Qi and the first Kj.
         load_tile<BR, FWD_THREADS>(Qi, Qg, args.q_sn, q0, Nq, D, args.vec, tid);
-        load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_begin * BC, kr.hi, D, args.vec, tid, kr.lo);
+        load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_begin * BC, kr.hi, D, args.vec, tid, kr.lo, range_bits(kr));
         cp_async_commit();
     }
 
@@ -120,7 +120,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         // Qi and Kj have landed for every thread; every warp is also done with
         // the previous Vj, so it may be overwritten now.
         __syncthreads();
-        load_tile<BC, FWD_THREADS>(Vj, Vg, args.v_sn, k0, kr.hi, D, args.vec, tid, kr.lo);
+        load_tile<BC, FWD_THREADS>(Vj, Vg, args.v_sn, k0, kr.hi, D, args.vec, tid, kr.lo, range_bits(kr));
         cp_async_commit();
 
         // Sij = Qi Kj^T (16 x BC per row block; zero-filled head-dim columns
@@ -213,7 +213,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         __syncthreads();
         const int tc_next = next_tile(kinds, 1, tc + 1, tc_end);
         if (tc_next < tc_end) {
-            load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_next * BC, kr.hi, D, args.vec, tid, kr.lo);
+            load_tile<BC, FWD_THREADS>(Kj, Kg, args.k_sn, tc_next * BC, kr.hi, D, args.vec, tid, kr.lo, range_bits(kr));
             cp_async_commit();
         }
 

@@ -46,7 +46,7 @@
 // and the rest zero-filled (a tile inside kr without a test per chunk).
 __device__ __forceinline__ void load_kv(elem_t *stage, const elem_t *src, i64 stride, int k0, KeyRange kr, bool vec,
                                         int D, int tid) {
-    load_tile<BC, FWD_THREADS, SWIZZLED, true>(stage, src, stride, k0, kr.hi, D, vec, tid, kr.lo);
+    load_tile<BC, FWD_THREADS, SWIZZLED, true>(stage, src, stride, k0, kr.hi, D, vec, tid, kr.lo, range_bits(kr));
 }
 
 // Grid: gridDim.x blocks work through n_jobs jobs (n_jobs = Tr * H * B).
@@ -91,7 +91,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
     // A job's first loads, as two groups: Qi and K0; V0 and K1.  K and V
     // tile j of the job go to stage (sb + j) % 2.
     auto load_first = [&](const elem_t *Qg, const elem_t *Kg, const elem_t *Vg, const FwdJob &jb, int sb) {
-        const KeyRange kr = seen_keys(jb.q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
+        const KeyRange kr = job_keys(jb, Nq, args);  // (the rest zero-filled)
         load_tile<BR, FWD_THREADS, SWIZZLED>(Qi, Qg, args.q_sn, jb.q0, Nq, D, args.vec, tid);
         load_kv(Ks + sb * BC * HDP, Kg, args.k_sn, jb.tc_begin * BC, kr, args.vec, D, tid);
         cp_async_commit();
@@ -126,7 +126,7 @@ flash_fwd_kernel(const elem_t *__restrict__ Q, const elem_t *__restrict__ K, con
         const elem_t *Kg = K + (i64)jb.b * args.k_sb + (i64)hk * args.k_sh;
         const elem_t *Vg = V + (i64)jb.b * args.v_sb + (i64)hk * args.v_sh;
         const int q0 = jb.q0, tc_begin = jb.tc_begin, tc_end = jb.tc_end;
-        const KeyRange kr = seen_keys(q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);  // (the rest zero-filled)
+        const KeyRange kr = job_keys(jb, Nq, args);  // (the rest zero-filled)
 
         float o_acc[O_REGS];
 #pragma unroll

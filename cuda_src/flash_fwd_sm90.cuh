@@ -112,6 +112,7 @@ struct FwdJob {
     int tc_begin, tc_end;  // its key tiles, from the first the block map leaves
 #if TILE_MAPS
     const unsigned char *kinds;  // the block map's entries of its query tile (nullptr: none)
+    const u32 *seen;             // the seen-key bits of its plane (nullptr: none)
 #endif
 };
 
@@ -122,6 +123,15 @@ __device__ __forceinline__ const unsigned char *job_kinds(const FwdJob &jb) {
 #else
     (void)jb;
     return nullptr;
+#endif
+}
+
+// The keys a job's rows may see: the band's, those of the seen-key bits (the rest zero-filled).
+__device__ __forceinline__ KeyRange job_keys(const FwdJob &jb, int Nq, const AttnParams &args) {
+#if TILE_MAPS
+    return seen_keys(jb.q0, BR, Nq, jb.kl, args.band_lo, args.band_hi, jb.seen);
+#else
+    return seen_keys(jb.q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);
 #endif
 }
 
@@ -160,8 +170,9 @@ __device__ __forceinline__ FwdJob fwd_job(int job, int n_qt, int H, int Nq, int 
     jb.kl = key_length(key_lengths, jb.b, Nk);
     const TileRange kt = key_tiles(jb.q0, BR, Nq, jb.kl, band_lo, band_hi, BC);
 #if TILE_MAPS
-    jb.kinds = tmap ? map_plane<BR, BC>(tmap, args, Nq, Nk, jb.b, jb.h) + (i64)(jb.q0 / BR) * ((Nk + BC - 1) / BC)
-                    : nullptr;
+    const unsigned char *plane = map_plane<BR, BC>(tmap, args, Nq, Nk, jb.b, jb.h);
+    jb.kinds = plane ? plane + (i64)(jb.q0 / BR) * ((Nk + BC - 1) / BC) : nullptr;
+    jb.seen = plane_seen<BR, BC>(plane, Nq, Nk);
 #else
     (void)tmap; (void)args;
 #endif

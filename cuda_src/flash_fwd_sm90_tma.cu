@@ -13,7 +13,8 @@
 //     stage's "full" barrier before reading it and arrive on its "empty"
 //     barrier when their products have read it: no block-wide barrier in
 //     the main loop, and the loads run as far ahead as the ring allows.
-// Keys outside the band and the key length that a boundary tile holds
+// Keys outside the band and the key length that a boundary tile holds, and
+// keys that no row may see under the mask (the block map's seen-key bits),
 // arrive from memory (the TMA copies whole boxes; only rows past Nk and
 // columns past D are zero-filled): the consumers zero them in shared memory
 // before the products read them, so that a NaN stored there never meets a
@@ -52,12 +53,15 @@ static_assert(BR <= 256 && BC <= 256, "a TMA box has at most 256 rows");
 __device__ __forceinline__ void zero_unseen_keys(elem_t *stage, int k0, KeyRange kr, int tid) {
     for (int c = tid; c < HD_ATOMS * BC * 8; c += FWD_THREADS) {
         const int key = k0 + (c / 8) % BC;
-        if (key < kr.lo || key >= kr.hi) reinterpret_cast<uint4 *>(stage)[c] = make_uint4(0u, 0u, 0u, 0u);
+        if (key < kr.lo || key >= kr.hi || !bit_set(range_bits(kr), key))
+            reinterpret_cast<uint4 *>(stage)[c] = make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
 // Whether the tile of keys k0..k0+BC-1 holds keys outside kr.
-__device__ __forceinline__ bool holds_unseen_keys(int k0, KeyRange kr) { return k0 < kr.lo || k0 + BC > kr.hi; }
+__device__ __forceinline__ bool holds_unseen_keys(int k0, KeyRange kr) {
+    return k0 < kr.lo || k0 + BC > kr.hi || !bits_all_set(range_bits(kr), k0, k0 + BC);
+}
 
 LAUNCH_SHAPE(flash_fwd_kernel, FWD_BLOCK_THREADS, BR, (BR + 2 * KV_STAGES * BC) * HDP * sizeof(elem_t) + SMEM_ALIGN);
 TILE_MAP(flash_fwd_kernel, BR, BC);
@@ -129,7 +133,7 @@ flash_fwd_kernel(elem_t *__restrict__ O, float *__restrict__ LSE,
     const int g = lane >> 2, t = lane & 3;
     MaskParams mp = mask_params<BR, BC>(mask, nullptr, args, jb.kl, Nq, Nk, jb.b, jb.h);
     const char *mask_bh = mask_head_base(mp, jb.b, jb.h);
-    const KeyRange kr = seen_keys(q0, BR, Nq, jb.kl, args.band_lo, args.band_hi);
+    const KeyRange kr = job_keys(jb, Nq, args);
     const int row_w = 64 * wg + 16 * warp_in_wg;  // first row of this warp in the tile
     // Descriptor bases: this warpgroup's 64 rows of Qi (K-major A operand).
     const u32 q_addr = smem_addr(Qi) + 64 * wg * SWZ_ROW_BYTES;

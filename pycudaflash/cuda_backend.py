@@ -436,6 +436,13 @@ def _sm_count() -> int:
 # ------------------------------------------------------------------ plans
 
 
+def map_plane_bytes(tiles: int, Nk: int) -> int:
+    """Bytes of one plane of a block map of ``tiles`` tiles (``map_plane_bytes`` in
+    flash_common.cuh): a byte a tile, then from the next multiple of 4 the seen-key bits,
+    a 32-bit word for every 32 keys."""
+    return -(-tiles // 4) * 4 + 4 * -(-Nk // 32)
+
+
 def _band(prob: Problem) -> Tuple[int, int]:
     lo = max(prob.band.lo_off, -BAND_UNBOUNDED)
     hi = min(prob.band.hi_off, BAND_UNBOUNDED)
@@ -546,8 +553,9 @@ class _Plan:
     mod_names: Tuple[str, ...]  # the modifiers' tensors, in their slots
     mod_offsets: Tuple[int, ...]  # workspace offset of each one given on the host (-1: on the device)
     MAP0: int  # value slot of the first block map a BlockMap holds (after the modifiers' slots)
-    map_specs: List[Tuple[Any, ...]]  # those maps: (builder, br, bc, planes_b, planes_h, bytes), in their slots
-    map_builders: List[_Kernel]  # the launch that builds each one
+    # those maps: (builder, br, bc, planes_b, planes_h, band_lo, band_hi, bytes), in their slots
+    map_specs: List[Tuple[Any, ...]]
+    map_builders: List[Tuple[_Kernel, ...]]  # the launches that build each one
     tma_maps: Tuple[Any, ...] = ()  # tensor maps of q, k, v (pycudaflash._tma) the struct carries
 
     def _describe(self, prob: Problem, kind: str) -> None:
@@ -621,12 +629,15 @@ class _Plan:
         """The block map that each kernel of ``readers`` takes (``tmap``: a workspace region, 0
         without one) and the launches that build them, one for each distinct tile shape: of a
         bool mask and the mask modifier together (``flash_tile_map``) or, without a bool
-        mask, of the mask modifier (``flash_mod_tile_map``).  A map has a plane per batch
-        element and head, one for a dimension that the bool mask broadcasts over (a zero
-        stride of ``mask_strides``, as the kernels read it) and the mask modifier does not
-        read (``map_plane`` in flash_common.cuh).  With a BlockMap the maps are its memory
-        (value slots from MAP0, :attr:`map_specs`) and their launches run only where it has
-        not built them yet (:attr:`map_builders`, :func:`launch_plan`)."""
+        mask, of the mask modifier (``flash_mod_tile_map``), after ``flash_clear_seen`` has
+        cleared its seen-key bits.  A map has a plane per batch element and head, one for a
+        dimension that the bool mask broadcasts over (a zero stride of ``mask_strides``, as
+        the kernels read it) and the mask modifier does not read (``map_plane`` in
+        flash_common.cuh: the kinds of its tiles, then the bits of the keys that some row may
+        see under the mask and the band, :func:`map_plane_bytes`).  With a BlockMap the maps
+        are its memory (value slots from MAP0, :attr:`map_specs`, whose band is part of the
+        BlockMap's key) and their launches run only where it has not built them yet
+        (:attr:`map_builders`, :func:`launch_plan`)."""
         refs: Dict[str, Any] = {name: 0 for name in readers}
         mod = prob.mask_mod
         per_b, per_h = (mod.reads("b"), mod.reads("h")) if mod is not None else (False, False)
@@ -639,21 +650,25 @@ class _Plan:
             return refs, []
         planes_b, planes_h = (prob.B if per_b else 1), (prob.H if per_h else 1)
         built: Dict[Tuple[int, int], Any] = {}
-        launches = []
+        launches: List[_Kernel] = []
         for name in readers:
             br, bc = var.map_tile(name)
             if (br, bc) not in built:
                 tiles = -(-prob.Nq // br) * -(-prob.Nk // bc)
-                nbytes = tiles * planes_h * planes_b
+                nbytes = map_plane_bytes(tiles, prob.Nk) * planes_h * planes_b
                 if prob.block_map is not None:
                     if len(self.map_specs) == MAX_MAP_SHAPES:
                         raise ValueError(f"more than {MAX_MAP_SHAPES} block-map tile shapes in one pass")
                     ref = _Ref(self.MAP0 + len(self.map_specs))
-                    self.map_specs.append((builder, br, bc, planes_b, planes_h, nbytes))
+                    self.map_specs.append((builder, br, bc, planes_b, planes_h, *_band(prob), nbytes))
                 else:
                     ref = _Ref(self.WS, ws.region(nbytes))
-                build = self._kernel(var, builder, (tiles, planes_h, planes_b), **inputs, tmap=ref, br=br, bc=bc)
-                (self.map_builders if prob.block_map is not None else launches).append(build)
+                build = (self._kernel(var, "flash_clear_seen", (1, planes_h, planes_b), tmap=ref, tiles=tiles),
+                         self._kernel(var, builder, (tiles, planes_h, planes_b), **inputs, tmap=ref, br=br, bc=bc))
+                if prob.block_map is not None:
+                    self.map_builders.append(build)
+                else:
+                    launches += build
                 built[br, bc] = ref
             refs[name] = built[br, bc]
         return refs, launches
@@ -676,7 +691,8 @@ class _Plan:
             if self._mod_data is not None:  # (the modifiers' tensors: addresses in the struct)
                 self._mod_data[:len(self.mod_names)] = vals[self.MOD0:self.MOD0 + len(self.mod_names)]
             for k in builds:
-                self.map_builders[k].launch(stream)
+                for build in self.map_builders[k]:
+                    build.launch(stream)
             for launch in self._launches:
                 launch(stream)
 

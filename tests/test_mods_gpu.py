@@ -150,10 +150,7 @@ def test_device_mod_tensors_are_read_in_place(cuda: None) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_keys_a_mask_mod_excludes_hold_nan(backend: str, dtype: str) -> None:
     """A key that mask_mod hides from every query (document -1, which no query row has) is never
-    read on the NumPy backend: NaN stored in its k and v changes nothing.  The CUDA kernels
-    compute mask_mod per element and zero-fill only the keys outside the band and the key lengths:
-    there a NaN stored in k changes no forward result (its probability is exactly 0), but a NaN in
-    v, or in k for the backward, meets that 0 in a product (0 * NaN): the documented caveat."""
+    read, on every backend: NaN stored in its k and v changes no result, forward or backward."""
     B, H, Nq, Nk, D = 2, 2, 70, 90, 64
     g = np.random.default_rng(9)
     dt = _np_dtype(dtype)
@@ -166,18 +163,13 @@ def test_keys_a_mask_mod_excludes_hold_nan(backend: str, dtype: str) -> None:
     doc[hidden] = -1
     assert (doc[:, :Nq] != -1).all()
     kw = dict(mask_mod="doc[b, i] == doc[b, j]", mod_tensors=dict(doc=doc))
-    on_gpu = backend == "cuda"
-    kp = k.copy()
+    kp, vp = k.copy(), v.copy()
     kp[np.broadcast_to(hidden[:, None, :], kp.shape[:3])] = np.nan
-    vp = v.copy()
-    if not on_gpu:
-        vp[np.broadcast_to(hidden[:, None, :], vp.shape[:3])] = np.nan
+    vp[np.broadcast_to(hidden[:, None, :], vp.shape[:3])] = np.nan
     clean = flash_attn_forward(q, k, v, **kw, backend=backend)
     dirty = flash_attn_forward(q, kp, vp, **kw, backend=backend)
     for a, b in zip(clean, dirty):
         assert np.array_equal(to_host(a).astype(np.float64), to_host(b).astype(np.float64)), "a hidden key's NaN leaked"
-    if on_gpu:
-        return
     g_clean = flash_attn_backward(dout, q, k, v, *clean, **kw, backend=backend)
     g_dirty = flash_attn_backward(dout, q, kp, vp, *dirty, **kw, backend=backend)
     for a, b in zip(g_clean, g_dirty):

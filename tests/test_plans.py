@@ -254,10 +254,12 @@ def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, so
                                              planes: tuple, deterministic: bool) -> None:
     """A bool mask, a mask modifier, or both together get one block map a tile shape of the
     kernels that read it, built first (flash_tile_map with a bool mask, else flash_mod_tile_map:
-    grid (tiles, heads of the map, batch elements of the map), its tile sizes passed), each in its
-    own workspace region of one byte a tile and plane, and the reader's tmap points there.  A map
-    has a plane per batch element and head that the mask does not broadcast over or that the
-    modifier reads."""
+    grid (tiles, heads of the map, batch elements of the map), its tile sizes passed), each after
+    the launch that clears its seen-key bits (flash_clear_seen: grid (1, heads, batch elements)),
+    each in its own workspace region of a plane's bytes (map_plane_bytes: a byte a tile, padded to
+    4, then a word for every 32 keys) a plane, and the reader's tmap points there.  A map has a
+    plane per batch element and head that the mask does not broadcast over or that the modifier
+    reads."""
     from pycudaflash import cuda_backend
     from pycudaflash.mods import mask_mod
 
@@ -287,14 +289,21 @@ def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, so
     P = cuda_backend.BackwardPlan
     readers = ["flash_bwd_dkdv_kernel"] + (["flash_bwd_dq_kernel"] if deterministic else [])
     builders = [k for k in plan.kernels if k.name in ("flash_tile_map", "flash_mod_tile_map")]
-    assert plan.kernels[:len(builders)] == builders and len(builders) == len(readers)
-    assert {k.name for k in builders} == {builder}
+    clears = [k for k in plan.kernels if k.name == "flash_clear_seen"]
+    assert [k.name for k in plan.kernels[:2 * len(builders)]] == ["flash_clear_seen", builder] * len(readers)
     bparams = compiler.kernel_params("bwd_f16", builder)
+    cparams = compiler.kernel_params("bwd_f16", "flash_clear_seen")
     regions = []
-    for built, reader in zip(builders, readers):
+    for built, clear, reader in zip(builders, clears, readers):
         br, bc = fake.map_tile(reader)
         tiles = -(-Nq // br) * -(-Nk // bc)
         assert built.grid == (tiles, planes[1], planes[0])
+        assert clear.grid == (1, planes[1], planes[0])
+        n_ptr = len(cparams.pointers)
+        assert dict(zip((n for n, _ in cparams.scalars), clear.slots[n_ptr:n_ptr + len(cparams.scalars)])) == \
+            {"Nk": Nk, "tiles": tiles}
+        assert {cparams.pointers[i]: (src, off) for i, src, off in clear.refs}["tmap"] == \
+            {bparams.pointers[i]: (src, off) for i, src, off in built.refs}["tmap"]
         n_ptr = len(bparams.pointers)
         sizes = dict(zip((n for n, _ in bparams.scalars), built.slots[n_ptr:n_ptr + len(bparams.scalars)]))
         assert sizes == {"Nq": Nq, "Nk": Nk, "br": br, "bc": bc}
@@ -305,7 +314,9 @@ def test_backward_plan_builds_the_block_maps(monkeypatch: pytest.MonkeyPatch, so
         kernel = next(k for k in plan.kernels if k.name == reader)
         rptr = compiler.kernel_params("bwd_f16", reader).pointers
         assert {rptr[i]: (src, off) for i, src, off in kernel.refs}["tmap"] == brefs["tmap"]
-        regions.append((brefs["tmap"][1], tiles * planes[0] * planes[1]))
+        plane_bytes = -(-tiles // 4) * 4 + 4 * -(-Nk // 32)
+        assert cuda_backend.map_plane_bytes(tiles, Nk) == plane_bytes
+        regions.append((brefs["tmap"][1], plane_bytes * planes[0] * planes[1]))
     regions.sort()
     for (a, n), (b, _) in zip(regions, regions[1:]):
         assert a + n <= b, "block maps overlap"
@@ -448,13 +459,19 @@ def test_a_block_map_holds_the_maps_and_builds_them_once(monkeypatch: pytest.Mon
     readers = ("flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel")  # (tile shapes 64 x 128 and 64 x 64)
     assert len(plan.map_specs) == len(plan.map_builders) == 2
     assert plan.N_VALS == plan.MAP0 + cuda_backend.MAX_MAP_SHAPES == plan.MOD0 + len(fake.mod_names) + 2
-    for k, (reader, spec, build) in enumerate(zip(readers, plan.map_specs, plan.map_builders)):
+    for k, (reader, spec, builds) in enumerate(zip(readers, plan.map_specs, plan.map_builders)):
         br, bc = fake.map_tile(reader)
         tiles = -(-Nq // br) * -(-Nk // bc)
-        assert spec[1:] == (br, bc, planes[0], planes[1], tiles * planes[0] * planes[1])
+        band = cuda_backend._band(prob)
+        assert spec[1:] == (br, bc, planes[0], planes[1], *band,
+                            cuda_backend.map_plane_bytes(tiles, Nk) * planes[0] * planes[1])
+        clear, build = builds
+        assert clear.name == "flash_clear_seen" and clear.grid == (1, planes[1], planes[0])
         assert build.grid == (tiles, planes[1], planes[0])
         bptr = compiler.kernel_params("bwd_f16", spec[0]).pointers
+        cptr = compiler.kernel_params("bwd_f16", "flash_clear_seen").pointers
         assert {bptr[i]: (src, off) for i, src, off in build.refs}["tmap"] == (plan.MAP0 + k, 0)
+        assert {cptr[i]: (src, off) for i, src, off in clear.refs}["tmap"] == (plan.MAP0 + k, 0)
         kernel = next(kk for kk in plan.kernels if kk.name == reader)
         rptr = compiler.kernel_params("bwd_f16", reader).pointers
         assert {rptr[i]: (src, off) for i, src, off in kernel.refs}["tmap"] == (plan.MAP0 + k, 0)

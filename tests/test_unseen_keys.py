@@ -133,3 +133,156 @@ def test_unseen_keys_change_nothing_on_every_backend(backend: str, name: str, dt
     assert not np.asarray(dk, np.float64)[mask].any() and not np.asarray(dv, np.float64)[mask].any(), \
         "an unseen key got a gradient"
     assert np.isfinite(np.asarray(results[0][0], np.float64)).all()
+
+
+# On every backend and dtype: keys that a dense bool mask or a mask modifier hides from every row
+# (the kernels read the seen-key bits that the block map's build writes beside the map).
+_MQ, _MK = 97, 300
+_MRNG = np.random.default_rng(11)
+
+
+def _mask_cases() -> dict:
+    cases = {}
+    # A bool mask per batch element: random elsewhere, some columns hidden from every row.
+    keep = _MRNG.random((B, 1, _MQ, _MK)) < 0.6
+    keep[0, :, :, 40:50] = keep[1, :, :, 200:300] = False
+    keep[:, :, :, 3] = False
+    cases["bool_mask"] = dict(mask=keep)
+    # Documents: no query belongs to document 3, which some keys hold (a padded cache).
+    docq = np.sort(_MRNG.integers(0, 3, (B, _MQ)), axis=1).astype(np.int32)
+    dock = np.sort(_MRNG.integers(0, 4, (B, _MK)), axis=1).astype(np.int32)
+    dock[0, 130:150] = 3
+    cases["mask_mod_documents"] = dict(mask_mod="docq[b, i] == dock[b, j]", mod_tensors=dict(docq=docq, dock=dock))
+    # A mask that shows keys 10..59 only to the rows before them, under a causal band that shows
+    # them only to the rows after them: neither hides them alone.
+    lower = np.ones((_MQ, _MK), bool)
+    lower[:, 10:60] = np.arange(_MQ)[:, None] < np.arange(10, 60)[None, :]
+    cases["mask_and_band"] = dict(mask=lower, causal=True)
+    # A mask modifier with key lengths: every seventh key hidden, and the padding.
+    cases["mask_mod_and_key_lengths"] = dict(mask_mod="(j % 7) != 3", key_lengths=np.array([250, 161]))
+    # One K/V head for two query heads, a mask per head: keys hidden from both heads, and keys
+    # hidden from head 0 only (seen by head 1: they carry no poison).
+    per_head = _MRNG.random((B, H, _MQ, _MK)) < 0.7
+    per_head[:, :, :, 100:140] = False
+    per_head[:, 0, :, 150:170] = False
+    cases["grouped_heads"] = dict(mask=per_head, hkv=1)
+    return cases
+
+
+_MASK_CASES = _mask_cases()
+
+
+def _mask_unseen(q: np.ndarray, k: np.ndarray, opts: dict, hkv: int) -> np.ndarray:
+    """bool (B, Hkv, Nk): the keys that no row of any query head reading them may see (from the
+    float64 reference's masked scores)."""
+    from pycudaflash.reference import masked_scores
+
+    kw = {n: opts.get(n) for n in ("causal", "window", "mask", "key_lengths", "mask_mod", "mod_tensors")}
+    kw["causal"] = kw["causal"] or False
+    S, _ = masked_scores(q, np.repeat(k, q.shape[1] // hkv, axis=1), scale=None, **kw)
+    seen = np.isfinite(S).any(axis=2)  # (B, H, Nk)
+    return ~seen.reshape(B, hkv, -1, seen.shape[-1]).any(axis=2)
+
+
+def _atomic_dq_spread(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, opts: dict, hkv: int,
+                      dq: np.ndarray) -> np.ndarray:
+    """How far two atomic backwards' dq may lie apart on these inputs: their float32 atomics add
+    the key tiles' shares scale * dSij Kj in any order, and two orders of k partial sums differ by
+    at most 2 (k - 1) u sum_j |scale dS_ij K_j| (u = 2^-24, k key tiles of at least 32 keys);
+    a 16-bit dq then rounds to the same or the adjacent value (one unit in its last place)."""
+    import ml_dtypes
+
+    from pycudaflash.reference import masked_scores, softmax_parts
+
+    kw = {n: opts.get(n) for n in ("causal", "window", "mask", "key_lengths", "mask_mod", "mod_tensors")}
+    kw["causal"] = kw["causal"] or False
+    q64, do64 = (np.asarray(x, np.float64) for x in (q, do))
+    k64, v64 = (np.repeat(np.asarray(x, np.float64), q.shape[1] // hkv, axis=1) for x in (k, v))
+    S, scale = masked_scores(q64, k64, scale=None, **kw)
+    P, _ = softmax_parts(S)
+    O = P @ v64
+    dS = P * (do64 @ np.swapaxes(v64, -1, -2) - (do64 * O).sum(-1, keepdims=True))
+    k_tiles = -(-k.shape[2] // 32)
+    spread = 2 * (k_tiles - 1) * 2.0 ** -24 * (np.abs(scale * dS) @ np.abs(k64))
+    if dq.dtype != np.float32:
+        mag = np.maximum(np.abs(np.asarray(dq, np.float64)), np.finfo(np.float32).tiny)
+        spread += float(ml_dtypes.finfo(dq.dtype).eps) * 2.0 ** np.floor(np.log2(mag))
+    return spread
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("name", sorted(_MASK_CASES))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_keys_a_mask_hides_from_every_row_change_nothing_on_every_backend(backend: str, name: str, dtype: str,
+                                                                          deterministic: bool) -> None:
+    import ml_dtypes
+
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    opts = dict(_MASK_CASES[name])
+    hkv = opts.pop("hkv", H)
+    rng = np.random.default_rng(6)
+    q, do = (rng.standard_normal((B, H, _MQ, 64)).astype(np_dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, hkv, _MK, 64)).astype(np_dtype) for _ in range(2))
+    unseen = _mask_unseen(q, k, opts, hkv)
+    assert unseen.any() and not unseen.all(), "the case must have seen and unseen keys"
+    if name == "mask_and_band":  # (neither the mask alone nor the band alone hides keys 10..59)
+        assert unseen[:, :, 10:60].all() and opts["mask"][:, 10:60].any(axis=0).all()
+    results = []
+    for poison in (None, np.nan, np.inf):
+        kp, vp = (k, v) if poison is None else (_poisoned(k, unseen, poison), _poisoned(v, unseen, poison))
+        out, lse = flash_attn_forward(q, kp, vp, backend=backend, **opts)
+        grads = flash_attn_backward(do, q, kp, vp, out, lse, backend=backend, deterministic=deterministic, **opts)
+        results.append((out, lse, *grads))
+    # Bit for bit, but the atomic backward's dq, whose float32 atomics add in any order: within
+    # that order's spread, and finite.
+    spread = None if deterministic else _atomic_dq_spread(q, k, v, do, opts, hkv, results[0][2])
+    for dirty in results[1:]:
+        for a, b, what in zip(results[0], dirty, ("out", "lse", "dq", "dk", "dv")):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            if what == "dq" and spread is not None:
+                assert np.isfinite(b).all() and (np.abs(a - b) <= spread).all(), \
+                    f"dq changed beyond the atomics' spread when the unseen keys hold NaN or Inf: " \
+                    f"{np.abs(a - b).max():.3g} (allowed {spread.ravel()[np.argmax(np.abs(a - b))]:.3g})"
+            else:
+                assert np.array_equal(a, b, equal_nan=True), f"{what} changed when the unseen keys hold NaN or Inf"
+    dk, dv = results[1][3], results[1][4]
+    hidden = np.broadcast_to(unseen[..., None], dk.shape)
+    assert not np.asarray(dk, np.float64)[hidden].any() and not np.asarray(dv, np.float64)[hidden].any(), \
+        "an unseen key got a gradient"
+    for x in results[0][:1] + results[0][2:]:
+        assert np.isfinite(np.asarray(x, np.float64)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_map_hides_its_unseen_keys_under_each_band(cuda: None, dtype: str) -> None:
+    """A BlockMap's maps, built once per band into the BlockMap's memory: keys that no row may
+    see under the mask modifier and that call's band hold NaN, and every call gives what the same
+    call with finite keys gives (the maps of one band are not those of another)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from pycudaflash import BlockMap
+
+    g = np.random.default_rng(8)
+    Nq, Nk = 300, 333
+    tq, tdo = (torch.from_numpy(g.standard_normal((B, H, Nq, 64), np.float32)).to("cuda", getattr(torch, dtype))
+               for _ in range(2))
+    tk, tv = (torch.from_numpy(g.standard_normal((B, H, Nk, 64), np.float32)).to("cuda", getattr(torch, dtype))
+              for _ in range(2))
+    # Keys 200..259 are seen only by the rows before 200 (hidden under a causal band).
+    bm = BlockMap(mask_mod="(j < 200) | (j >= 260) | (i < 200 - 100)")
+    for causal in (False, True, False):
+        opts = dict(mask_mod=bm.mask_mod, causal=causal)
+        host = [x.float().cpu().numpy() for x in (tq, tk)]
+        unseen = _mask_unseen(host[0], host[1], opts, H)
+        assert unseen[:, :, 200:260].all() == causal and unseen.any()
+        kp, vp = tk.clone(), tv.clone()
+        hidden = torch.from_numpy(np.ascontiguousarray(unseen)).cuda()
+        kp[hidden], vp[hidden] = float("nan"), float("nan")
+        want = flash_attn_forward(tq, tk, tv, causal=causal, block_map=bm)
+        got = flash_attn_forward(tq, kp, vp, causal=causal, block_map=bm)
+        # (bit for bit: the deterministic backward; the atomic one's dq adds in any order)
+        want_g = flash_attn_backward(tdo, tq, tk, tv, *want, causal=causal, block_map=bm, deterministic=True)
+        got_g = flash_attn_backward(tdo, tq, kp, vp, *got, causal=causal, block_map=bm, deterministic=True)
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), want + want_g, got + got_g):
+            assert torch.equal(a, b), f"{what} changed when the unseen keys hold NaN (causal={causal})"
+        assert torch.isfinite(got[0]).all() and not got_g[1][hidden].any()
