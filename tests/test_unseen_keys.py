@@ -107,6 +107,19 @@ def _band_unseen(opts: dict, nq: int, nk: int) -> np.ndarray:
     return ~(seen[None, :] & (j[None, :] < lengths[:, None]))[:, None, :]
 
 
+def _poisoned_runs(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, unseen: np.ndarray, backend: str,
+                   deterministic: bool, opts: dict) -> list:
+    """(out, lse, dq, dk, dv) of the forward and backward with k and v as given, then with NaN,
+    then with Inf stored in the keys and values ``unseen`` marks."""
+    results = []
+    for poison in (None, np.nan, np.inf):
+        kp, vp = (k, v) if poison is None else (_poisoned(k, unseen, poison), _poisoned(v, unseen, poison))
+        out, lse = flash_attn_forward(q, kp, vp, backend=backend, **opts)
+        grads = flash_attn_backward(do, q, kp, vp, out, lse, backend=backend, deterministic=deterministic, **opts)
+        results.append((out, lse, *grads))
+    return results
+
+
 @pytest.mark.parametrize("name", sorted(_BAND_CASES))
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_unseen_keys_change_nothing_on_every_backend(backend: str, name: str, dtype: str) -> None:
@@ -118,12 +131,7 @@ def test_unseen_keys_change_nothing_on_every_backend(backend: str, name: str, dt
     q, k, v, do = (rng.standard_normal((B, H, n, 64)).astype(np_dtype) for n in (_BQ, _BK, _BK, _BQ))
     unseen = _band_unseen(opts, _BQ, _BK)
     assert unseen.any() and not unseen.all(), "the case must have seen and unseen keys"
-    results = []
-    for poison in (None, np.nan, np.inf):
-        kp, vp = (k, v) if poison is None else (_poisoned(k, unseen, poison), _poisoned(v, unseen, poison))
-        out, lse = flash_attn_forward(q, kp, vp, backend=backend, **opts)
-        grads = flash_attn_backward(do, q, kp, vp, out, lse, backend=backend, deterministic=True, **opts)
-        results.append((out, lse, *grads))
+    results = _poisoned_runs(q, k, v, do, unseen, backend, True, opts)
     for dirty in results[1:]:
         for a, b, what in zip(results[0], dirty, ("out", "lse", "dq", "dk", "dv")):
             assert np.array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64), equal_nan=True), \
@@ -227,12 +235,7 @@ def test_keys_a_mask_hides_from_every_row_change_nothing_on_every_backend(backen
     assert unseen.any() and not unseen.all(), "the case must have seen and unseen keys"
     if name == "mask_and_band":  # (neither the mask alone nor the band alone hides keys 10..59)
         assert unseen[:, :, 10:60].all() and opts["mask"][:, 10:60].any(axis=0).all()
-    results = []
-    for poison in (None, np.nan, np.inf):
-        kp, vp = (k, v) if poison is None else (_poisoned(k, unseen, poison), _poisoned(v, unseen, poison))
-        out, lse = flash_attn_forward(q, kp, vp, backend=backend, **opts)
-        grads = flash_attn_backward(do, q, kp, vp, out, lse, backend=backend, deterministic=deterministic, **opts)
-        results.append((out, lse, *grads))
+    results = _poisoned_runs(q, k, v, do, unseen, backend, deterministic, opts)
     # Bit for bit, but the atomic backward's dq, whose float32 atomics add in any order: within
     # that order's spread, and finite.
     spread = None if deterministic else _atomic_dq_spread(q, k, v, do, opts, hkv, results[0][2])
