@@ -7,6 +7,7 @@ Problems (``--problems``, default all; B 4, N 4096 unless ``--batch`` / ``--seql
 name           dtype     D   H   what is masked
 =============  ========  ==  ==  ==========================================
 bf16-mask      bfloat16  128 16  a dense bool mask (``--pattern``)
+bf16-fmask     bfloat16  128 16  the same as an additive float mask (0 or -inf, bfloat16)
 bf16-causal    bfloat16  128 16  causal
 bf16-window    bfloat16  128 16  causal + a window of 256 keys (i - 255 .. i)
 f32-mask       float32   64  32  a dense bool mask (``--pattern``)
@@ -71,6 +72,7 @@ class Problem:
 
 PROBLEMS = {p.name: p for p in (
     Problem("bf16-mask", torch.bfloat16, 128, 16, "mask"),
+    Problem("bf16-fmask", torch.bfloat16, 128, 16, "fmask"),
     Problem("bf16-causal", torch.bfloat16, 128, 16, "causal"),
     Problem("bf16-window", torch.bfloat16, 128, 16, "window"),
     Problem("f32-mask", torch.float32, 64, 32, "mask"),
@@ -137,9 +139,11 @@ def implementations(prob: Problem, mask: Optional[torch.Tensor], peers: Sequence
     """name -> attn(q, k, v) for pycudaflash and each requested peer that applies to the problem."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if prob.kind == "mask":
-        ours: Callable[..., torch.Tensor] = lambda q, k, v: flash_attention(q, k, v, mask=mask)  # noqa: E731
-        sdpa_args: Dict[str, Any] = dict(attn_mask=mask)
+    if prob.kind in ("mask", "fmask"):
+        dense = mask if prob.kind == "mask" else torch.zeros(mask.shape, dtype=prob.dtype, device=device).masked_fill(
+            ~mask, float("-inf"))
+        ours: Callable[..., torch.Tensor] = lambda q, k, v: flash_attention(q, k, v, mask=dense)  # noqa: E731
+        sdpa_args: Dict[str, Any] = dict(attn_mask=dense)
     elif prob.kind == "causal":
         ours = lambda q, k, v: flash_attention(q, k, v, causal=True)  # noqa: E731
         sdpa_args = dict(is_causal=True)
@@ -169,7 +173,7 @@ def _flex(prob: Problem, mask: Optional[torch.Tensor], B: int, N: int, device: s
     """FlexAttention, compiled, with the problem's mask_mod and a block mask made here, once."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if prob.kind == "mask":
+    if prob.kind in ("mask", "fmask"):
         per_head = mask.shape[1] > 1
 
         def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
@@ -183,7 +187,7 @@ def _flex(prob: Problem, mask: Optional[torch.Tensor], B: int, N: int, device: s
         def mask_mod(b: Any, h: Any, i: Any, j: Any) -> Any:
             return (i >= j) & (i - j < WINDOW)
         heads = None
-    block = create_block_mask(mask_mod, B if prob.kind == "mask" else None, heads, N, N, device=device)
+    block = create_block_mask(mask_mod, B if prob.kind in ("mask", "fmask") else None, heads, N, N, device=device)
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, block_mask=block)
 
@@ -196,7 +200,7 @@ def reference_rows(prob: Problem, mask: Optional[torch.Tensor], q: torch.Tensor,
     s = (qi @ kk.T) / math.sqrt(D)
     i = torch.arange(qi.shape[0], device=q.device)[:, None]
     j = torch.arange(N, device=q.device)[None, :]
-    if prob.kind == "mask":
+    if prob.kind in ("mask", "fmask"):
         keep = mask[0, 0, :rows]
     elif prob.kind == "causal":
         keep = i >= j
@@ -234,7 +238,7 @@ def run_problem(prob: Problem, a: argparse.Namespace) -> List[Dict[str, Any]]:
     for t in (q, k, v):
         t.requires_grad_()
     mask = (dense_mask(a.pattern, B, prob.H if a.mask_heads else 1, N, a.device, a.seed)
-            if prob.kind == "mask" else None)
+            if prob.kind in ("mask", "fmask") else None)
     rows: List[Dict[str, Any]] = []
     base: Optional[torch.Tensor] = None
     try:
